@@ -1,0 +1,32 @@
+# gacc-template: `make demo` bakes a project and trains it with 2 CPU processes; `make test` runs
+# the whole suite. Both create .venv from requirements-dev.txt when it is missing.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.DEFAULT_GOAL := help
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(VENV)/.installed: requirements-dev.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+venv: $(VENV)/.installed ## create .venv with the pinned development environment
+
+demo: $(VENV)/.installed ## bake a project into a temporary folder and train it with 2 CPU processes
+	$(PY) tools/demo.py
+
+test: $(VENV)/.installed ## run the whole suite (template, hooks, and the baked projects' own suites)
+	$(PY) -m pytest
+
+lint: $(VENV)/.installed ## ruff on the template's own code
+	$(PY) -m ruff check hooks tests tools
+
+assets: $(VENV)/.installed ## regenerate the tokenizer and datasets that ship with every project
+	$(PY) tools/make_assets.py
+
+.PHONY: help venv demo test lint assets

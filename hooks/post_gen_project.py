@@ -1,0 +1,51 @@
+"""Remove what the user did not choose, record the answers, print the next commands.
+
+Standard library only; answers are read through `tojson` so no answer can break this file.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+ANSWERS = json.loads(
+    r"""
+{{ cookiecutter | tojson }}
+"""
+)
+
+SLUG = ANSWERS["project_slug"]
+ENTRIES = ("pytorch", "accelerate", "trainer")
+
+
+def unchosen_paths(answers: dict) -> list[Path]:
+    """Every generated path that the answers did not ask for."""
+    chosen = ENTRIES if answers["entry_points"] == "all" else (answers["entry_points"],)
+    paths = []
+    for entry in ENTRIES:
+        if entry not in chosen:
+            paths += [Path("src", SLUG, f"train_{entry}.py"), Path("tests", f"test_{entry}.py")]
+    uses_deepspeed = answers["deepspeed_stage"] != "none" and chosen != ("pytorch",)
+    if not uses_deepspeed:
+        paths += [Path("configs", "deepspeed"), Path("scripts", "slurm", "deepspeed.sbatch"),
+                  *Path("configs", "accelerate").glob("deepspeed_*.yaml")]
+    if "accelerate" not in chosen:
+        paths += [Path("configs", "accelerate"), Path("scripts", "slurm", "accelerate.sbatch")]
+    return paths
+
+
+def main() -> None:
+    for path in unchosen_paths(ANSWERS):
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    replay = {k: v for k, v in ANSWERS.items() if not k.startswith("_") or k == "_template"}
+    Path(".cookiecutter.json").write_text(json.dumps(replay, indent=2, sort_keys=True) + "\n")
+    print(f"\nCreated {ANSWERS['project_name']!r} in ./{SLUG}. Next:\n"
+          f"  cd {SLUG}\n"
+          "  make install        # .venv with torch and this package\n"
+          "  make train          # torchrun on this machine (every GPU, or 2 CPU processes)\n")
+
+
+if __name__ == "__main__":
+    main()

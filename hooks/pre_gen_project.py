@@ -1,0 +1,88 @@
+"""Validate the rendered cookiecutter answers before any file is generated.
+
+A bad answer ends generation with exit code 1 and one line on stderr that says what is wrong and
+what would be right; cookiecutter then removes the half-made output directory. Standard library
+only. Answers are read through `tojson`, so no answer can break this file's syntax.
+"""
+
+import json
+import keyword
+import re
+import sys
+
+ANSWERS = json.loads(
+    r"""
+{{ cookiecutter | tojson }}
+"""
+)
+
+# Packages the generated project imports: a slug equal to one of them would shadow it.
+SHADOWED = {"torch", "transformers", "accelerate", "datasets", "deepspeed", "wandb", "yaml",
+            "tokenizers", "safetensors", "numpy", "tests", "test", "src", "configs", "scripts"}
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# SLURM's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}){0,2}")
+POSITIVE_INT = re.compile(r"[1-9][0-9]{0,6}")
+
+
+def check_slug(slug: str) -> str | None:
+    if not slug.isidentifier() or not slug.isascii():
+        return (f"project_slug {slug!r} is not a Python identifier; use lowercase letters, digits and "
+                "underscores, e.g. 'acme_train'")
+    if keyword.iskeyword(slug):
+        return f"project_slug {slug!r} is a Python keyword; choose another name, e.g. '{slug}_train'"
+    if slug in SHADOWED:
+        return (f"project_slug {slug!r} would shadow the package of that name; choose another, "
+                f"e.g. '{slug}_train'")
+    return None
+
+
+def check_numbers(answers: dict) -> str | None:
+    numbers = {}
+    for key in ("micro_batch_size", "global_batch_size", "num_nodes", "gpus_per_node"):
+        value = str(answers[key]).strip()
+        if not POSITIVE_INT.fullmatch(value):
+            return f"{key} must be a positive whole number, got {answers[key]!r}, e.g. '8'"
+        numbers[key] = int(value)
+    per_step = numbers["micro_batch_size"] * numbers["num_nodes"] * numbers["gpus_per_node"]
+    if numbers["global_batch_size"] % per_step:
+        return (
+            f"global_batch_size {numbers['global_batch_size']} is not divisible by micro_batch_size "
+            f"{numbers['micro_batch_size']} x num_nodes {numbers['num_nodes']} x gpus_per_node "
+            f"{numbers['gpus_per_node']} = {per_step}; use a multiple of {per_step}, e.g. {per_step * 2}"
+        )
+    return None
+
+
+def check_names(answers: dict) -> str | None:
+    rules = (
+        ("slurm_partition", False, "a partition name such as 'gpu'"),
+        ("slurm_account", True, "an account name such as 'my_lab', or empty for none"),
+        ("wandb_project", False, "a project name such as 'acme_train'"),
+        ("wandb_entity", True, "a team or user name such as 'my-team', or empty for your default"),
+    )
+    for key, may_be_empty, example in rules:
+        value = answers[key]
+        if value == "" and may_be_empty:
+            continue
+        if not PLAIN_NAME.fullmatch(value):
+            return f"{key} {value!r} is not a plain name (letters, digits, '_', '.', '-'); use {example}"
+    if not SLURM_TIME.fullmatch(answers["slurm_time"]):
+        return (
+            f"slurm_time {answers['slurm_time']!r} is not a SLURM time; use H:M:S or D-H:M:S, "
+            "e.g. '04:00:00' or '1-00:00:00'"
+        )
+    return None
+
+
+def main() -> int:
+    for check in (lambda a: check_slug(a["project_slug"]), check_numbers, check_names):
+        problem = check(ANSWERS)
+        if problem:
+            print(f"ERROR: {problem}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

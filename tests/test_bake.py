@@ -1,0 +1,101 @@
+"""Bake the template over a matrix of answers: the exact file set, nothing left unrendered, lint
+clean, answers recorded; and the baked projects' own test suites pass."""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import project_files
+
+TASKS = ("causal_lm", "sequence_classification")
+ENTRY_POINTS = ("all", "pytorch", "accelerate", "trainer")
+DEEPSPEED = ("2", "none")
+TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".json", ".sh", ".sbatch", ".txt", ".cfg", ""}
+
+
+def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[str]:
+    entries = ("pytorch", "accelerate", "trainer") if entry_points == "all" else (entry_points,)
+    pkg = f"src/{slug}"
+    files = {
+        ".cookiecutter.json", ".gitignore", "Makefile", "README.md", "pyproject.toml",
+        "configs/train.yaml", "scripts/train_local.sh",
+        *(f"{pkg}/{m}.py" for m in ("__init__", "batch", "checkpoint", "config", "data", "distributed",
+                                     "evaluation", "model", "optim", "tracking")),
+        *(f"{pkg}/assets/data/{t}/{s}.jsonl" for t in TASKS for s in ("train", "validation")),
+        f"{pkg}/assets/tokenizer/tokenizer.json", f"{pkg}/assets/tokenizer/tokenizer_config.json",
+        *(f"tests/{m}.py" for m in ("conftest", "test_cli", "test_config", "test_data", "test_scripts")),
+    }
+    for entry in entries:
+        files |= {f"{pkg}/train_{entry}.py", f"tests/test_{entry}.py"}
+    return files
+
+
+MATRIX = list(itertools.product(TASKS, ENTRY_POINTS, DEEPSPEED))
+
+
+@pytest.mark.parametrize("task,entry_points,deepspeed_stage", MATRIX)
+def test_bake_matrix(baked, task, entry_points, deepspeed_stage):
+    answers = {"task": task, "entry_points": entry_points, "deepspeed_stage": deepspeed_stage}
+    project = baked(**answers)
+    assert project.name == "gacc_train"
+    assert project_files(project) == expected_files("gacc_train", entry_points, deepspeed_stage)
+    for path in project.rglob("*"):
+        if path.is_file() and path.suffix in TEXT_SUFFIXES and "assets" not in path.parts:
+            text = path.read_text()
+            assert "{{" not in text and "{%" not in text, f"unrendered Jinja in {path}"
+    recorded = json.loads((project / ".cookiecutter.json").read_text())
+    assert {k: recorded[k] for k in answers} == answers
+    assert recorded["project_slug"] == "gacc_train"
+    assert yaml.safe_load((project / "configs" / "train.yaml").read_text())["task"] == task
+    tomllib.loads((project / "pyproject.toml").read_text())
+
+
+@pytest.mark.parametrize("task,entry_points,deepspeed_stage", MATRIX)
+def test_baked_project_is_lint_clean(baked, task, entry_points, deepspeed_stage):
+    project = baked(task=task, entry_points=entry_points, deepspeed_stage=deepspeed_stage)
+    ruff = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=project,
+                          capture_output=True, text=True)
+    assert ruff.returncode == 0, ruff.stdout
+    scripts = [str(p) for p in project.glob("scripts/**/*") if p.suffix in (".sh", ".sbatch")]
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    check = subprocess.run([str(shellcheck), *scripts], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+
+
+def test_slug_is_used_everywhere(baked):
+    project = baked(project_slug="acme_train")
+    assert project.name == "acme_train"
+    assert (project / "src" / "acme_train" / "train_pytorch.py").is_file()
+    assert "acme_train.train_" in (project / "scripts" / "train_local.sh").read_text()
+    assert project_files(project) == expected_files("acme_train", "all", "2")
+
+
+def run_generated_suite(project: Path, *pytest_args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "PYTEST_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=1500)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", TASKS)
+def test_generated_suite_passes(baked, task):
+    project = baked(task=task)
+    proc = run_generated_suite(project)
+    print(proc.stdout[-1500:])
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout.splitlines()[-1] and "failed" not in proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("entry_points", ENTRY_POINTS[1:])
+def test_single_entry_projects_pass_their_fast_tests(baked, entry_points):
+    project = baked(entry_points=entry_points, deepspeed_stage="none")
+    proc = run_generated_suite(project, "tests/test_config.py", "tests/test_data.py",
+                               "tests/test_scripts.py", "-k", "not trains_with")
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]

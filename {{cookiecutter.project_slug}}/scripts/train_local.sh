@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# torchrun on this machine: one process per GPU, or 2 processes on a CPU-only machine.
+# Arguments are passed through to the entry point; environment variables set the launch:
+#   scripts/train_local.sh --max_steps 20 --report_to none
+#   ENTRY=pytorch NPROC_PER_NODE=4 scripts/train_local.sh --config configs/train.yaml
+#   DRY_RUN=1 scripts/train_local.sh        # print the command instead of running it
+# ENTRY: pytorch | accelerate | trainer. PYTHON: the interpreter (default: python).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ENTRY=${ENTRY:-{{ 'pytorch' if cookiecutter.entry_points == 'all' else cookiecutter.entry_points }}}
+PYTHON=${PYTHON:-python}
+if [[ -z "${NPROC_PER_NODE:-}" ]]; then
+  NPROC_PER_NODE=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')
+fi
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+if [[ -z "${MASTER_PORT:-}" ]]; then
+  MASTER_PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+fi
+# The package runs from src/ without being installed.
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+
+cmd=("$PYTHON" -m torch.distributed.run --nnodes 1 --nproc_per_node "$NPROC_PER_NODE"
+     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
+     -m "{{ cookiecutter.project_slug }}.train_${ENTRY}" "$@")
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  printf '%q ' "${cmd[@]}"
+  echo
+  exit 0
+fi
+exec "${cmd[@]}"

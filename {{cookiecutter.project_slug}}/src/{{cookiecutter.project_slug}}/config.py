@@ -1,0 +1,190 @@
+"""The one training config, read by all three entry points.
+
+`configs/train.yaml` fills a `TrainConfig`; every field is also a command-line flag of the same
+name that overrides it (`--learning_rate 3e-4`). Unknown keys, unknown flags, wrong types and
+out-of-range values raise `ConfigError`, which the entry points turn into exit code 2 and one
+line on stderr.
+"""
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from transformers import HfArgumentParser
+
+from .distributed import cleanup
+
+DEFAULT_CONFIG = "configs/train.yaml"
+
+
+class ConfigError(Exception):
+    """A mistake the user can fix: bad config, bad flag, missing input. Exit code 2."""
+
+
+def _doc(text: str, default):
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs. Each field is a YAML key and a `--flag`."""
+
+    # What to train on.
+    task: Literal["causal_lm", "sequence_classification"] = _doc(
+        "causal_lm (next-token prediction) or sequence_classification.", "causal_lm")
+    model_name_or_path: str = _doc(
+        "'tiny' builds a small model from a config (no download); else a Hugging Face model name "
+        "or local path.", "tiny")
+    dataset: str = _doc(
+        "'builtin' (the data shipped with this project for the task), a folder holding "
+        "train/validation .jsonl/.json/.csv/.parquet files or a save_to_disk() dataset, or a "
+        "Hugging Face dataset name.", "builtin")
+    max_seq_len: int = _doc("Longest sequence in tokens; longer examples are truncated.", 64)
+
+    # Where and how long.
+    output_dir: str = _doc("Folder for metrics.jsonl, checkpoints/ and final_model/.", "runs/default")
+    seed: int = _doc("Seeds model initialisation and the data order.", 42)
+    max_steps: int = _doc("Optimizer steps to train; -1 trains num_epochs epochs.", -1)
+    num_epochs: int = _doc("Epochs to train when max_steps is -1.", 3)
+
+    # Batch maths: grad_accum_steps = global_batch_size / (micro_batch_size * world_size).
+    micro_batch_size: int = _doc("Examples per forward pass on each process.", 8)
+    global_batch_size: int = _doc("Examples per optimizer step, summed over processes.", 64)
+
+    # Optimisation.
+    optimizer: Literal["adamw", "sgd", "adafactor"] = _doc(
+        "adamw, sgd (plain, no momentum) or adafactor; biases and norms get no weight decay.",
+        "adamw")
+    learning_rate: float = _doc("Peak learning rate.", 1e-3)
+    lr_scheduler_type: Literal["linear", "cosine", "constant"] = _doc(
+        "Schedule after warmup (constant still warms up).", "linear")
+    warmup_steps: int = _doc("Optimizer steps of linear warmup from 0.", 10)
+    weight_decay: float = _doc("Decoupled weight decay on matrices (not biases or norms).", 0.01)
+    max_grad_norm: float = _doc("Clip the global gradient norm to this; 0 disables clipping.", 1.0)
+    mixed_precision: Literal["no", "bf16", "fp16"] = _doc(
+        "Autocast the forward pass in bf16 or fp16 (fp16 adds a gradient scaler).", "no")
+    gradient_checkpointing: bool = _doc("Recompute activations in the backward pass.", False)
+
+    # Evaluation, logging, checkpoints.
+    eval_every: int = _doc("Evaluate every N optimizer steps; 0 evaluates once per epoch.", 0)
+    report_to: Literal["wandb", "none"] = _doc(
+        "wandb logs to Weights & Biases (offline when no API key is set); none disables it.",
+        "wandb")
+    wandb_project: str = _doc("Weights & Biases project.", "{{ cookiecutter.wandb_project }}")
+    wandb_entity: str = _doc("Weights & Biases entity; empty for your default.",
+                             "{{ cookiecutter.wandb_entity }}")
+    save_steps: int = _doc("Write checkpoints/step_<N>/ every N optimizer steps; 0 never.", 0)
+    save_total_limit: int = _doc("Keep the newest K checkpoints; 0 keeps all.", 2)
+    resume_from_checkpoint: str = _doc(
+        "'auto' continues from the newest complete checkpoint in output_dir (or starts fresh "
+        "when there is none); a path continues from that checkpoint; empty starts fresh.", "")
+    stop_after_steps: int = _doc(
+        "End this job after N optimizer steps of this job with a checkpoint, as if preempted; "
+        "0 runs to the end. The schedule still spans max_steps.", 0)
+
+    # Back ends.
+    deepspeed: str = _doc("DeepSpeed JSON config (train_accelerate and train_trainer).", "")
+    ddp_no_sync: bool = _doc(
+        "Skip DDP's gradient all-reduce on all but the last micro-step of each optimizer step. "
+        "Turn off only to measure what it saves.", True)
+    ddp_bucket_cap_mb: float = _doc("DDP gradient bucket size in MiB.", 25.0)
+
+    def __post_init__(self) -> None:
+        positive = ("max_seq_len", "num_epochs", "micro_batch_size", "global_batch_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        non_negative = ("warmup_steps", "weight_decay", "max_grad_norm", "eval_every",
+                        "save_steps", "save_total_limit", "stop_after_steps")
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(f"max_steps must be -1 (train num_epochs) or >= 1, got {self.max_steps}")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.ddp_bucket_cap_mb <= 0:
+            raise ConfigError(f"ddp_bucket_cap_mb must be > 0, got {self.ddp_bucket_cap_mb}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Parser(HfArgumentParser):
+    """HfArgumentParser that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        # "argument --max_steps/--max-steps: ..." -> "argument --max_steps: ..."
+        raise ConfigError(re.sub(r"(--\w+)/--[\w-]+", r"\1", message))
+
+
+def _as_flags(values: dict) -> list[str]:
+    flags = []
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            value = str(value).lower()
+        elif isinstance(value, (dict, list)):
+            raise ConfigError(f"key {key!r} must be a single value, got {value!r}")
+        flags += [f"--{key}", str(value)]
+    return flags
+
+
+def _read_yaml(path: str) -> dict:
+    config_file = Path(path)
+    if not config_file.is_file():
+        raise ConfigError(f"config file {path} not found; pass --config PATH to a YAML file")
+    try:
+        values = yaml.safe_load(config_file.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys to values")
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(unknown)} in {path}; known keys: {', '.join(sorted(known))}"
+        )
+    return values
+
+
+def load_config(argv: list[str] | None = None) -> TrainConfig:
+    """Read `--config` (default configs/train.yaml), then apply the command-line flags over it."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _Parser(TrainConfig, description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML file with the defaults.")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=DEFAULT_CONFIG)
+    known, _ = pre.parse_known_args(argv)
+    file_flags = _as_flags(_read_yaml(known.config))
+    try:
+        parser.parse_args_into_dataclasses(file_flags + ["--config", known.config])
+    except ConfigError as err:
+        raise ConfigError(f"{known.config}: {err}") from None
+    try:
+        config, _ = parser.parse_args_into_dataclasses(file_flags + argv)
+    except ValueError as err:
+        unused = str(err).split(":", 1)[-1].strip()
+        raise ConfigError(f"unknown flag(s) {unused}; run with --help for the list") from None
+    return config
+
+
+def run_cli(train: Callable[[TrainConfig], None]) -> None:
+    """Parse the config and train; a ConfigError becomes one line on stderr and exit code 2.
+
+    The process group is destroyed only after `train` has returned, so that DDP's reducer (which
+    holds the group) is freed first: the other order can hang in gloo's destructor.
+    """
+    try:
+        train(load_config())
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    cleanup()

@@ -1,0 +1,179 @@
+"""Data: load, tokenise, order and collate, the same way for every entry point and world size.
+
+Data order (independent of the world size): epoch e draws one permutation of the training set
+from (seed, e). Optimizer step s of the epoch consumes the examples at positions
+[s*G, (s+1)*G) of that permutation (G = global batch); rank r takes every world_size-th of them
+and cuts its share into micro-batches. The last window of an epoch takes the remainder: no
+example is duplicated or dropped. When the remainder leaves a rank with an empty micro-batch,
+that rank runs a *filler* micro-batch whose labels are all masked, so every rank takes the same
+number of micro-steps (DDP needs that) and the filler adds exactly zero to the gradient.
+"""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from datasets import DatasetDict, load_dataset, load_from_disk
+from torch.utils.data import DataLoader, Dataset, Sampler
+from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
+
+from .batch import BatchPlan
+from .config import ConfigError, TrainConfig
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+IGNORE_INDEX = -100
+_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _load_folder(folder: Path) -> DatasetDict:
+    if (folder / "dataset_dict.json").is_file():
+        return load_from_disk(str(folder))
+    data_files, builder = {}, None
+    for split in ("train", "validation"):
+        matches = [p for p in sorted(folder.glob(f"{split}.*")) if p.suffix in _BUILDERS]
+        if matches:
+            data_files[split] = str(matches[0])
+            builder = _BUILDERS[matches[0].suffix]
+    if "train" not in data_files:
+        raise ConfigError(f"dataset folder {folder} has no train.jsonl/.json/.csv/.parquet file")
+    return load_dataset(builder, data_files=data_files)
+
+
+def load_raw_dataset(cfg: TrainConfig) -> DatasetDict:
+    """The train and validation splits named by `cfg.dataset`, with their columns checked."""
+    if cfg.dataset == "builtin":
+        raw = _load_folder(ASSETS / "data" / cfg.task)
+    elif Path(cfg.dataset).is_dir():
+        raw = _load_folder(Path(cfg.dataset))
+    elif Path(cfg.dataset).exists() or cfg.dataset.startswith((".", "/", "~")):
+        raise ConfigError(f"dataset {cfg.dataset} is not a folder of train/validation files")
+    else:
+        try:
+            raw = load_dataset(cfg.dataset)
+        except Exception as err:  # the hub's errors are many; the user needs the first line
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ConfigError(f"cannot load dataset {cfg.dataset!r}: {reason}") from None
+    if "validation" not in raw:
+        raise ConfigError(f"dataset {cfg.dataset} has no validation split")
+    needed = {"text", "label"} if cfg.task == "sequence_classification" else {"text"}
+    for split in ("train", "validation"):
+        missing = needed - set(raw[split].column_names)
+        if missing:
+            raise ConfigError(
+                f"dataset {cfg.dataset} split {split} lacks column(s) {', '.join(sorted(missing))} "
+                f"needed by task {cfg.task}"
+            )
+    return DatasetDict(train=raw["train"], validation=raw["validation"])
+
+
+def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig) -> DatasetDict:
+    """input_ids/attention_mask (truncated to max_seq_len), plus `label` for classification."""
+    keep = {"label"} if cfg.task == "sequence_classification" else set()
+
+    def encode(batch):
+        return tokenizer(batch["text"], truncation=True, max_length=cfg.max_seq_len)
+
+    return DatasetDict({
+        split: ds.map(encode, batched=True, keep_in_memory=True,
+                      remove_columns=[c for c in ds.column_names if c not in keep])
+        for split, ds in raw.items()
+    })
+
+
+def num_labels(raw: DatasetDict) -> int:
+    return int(max(raw["train"]["label"])) + 1
+
+
+class WindowSampler(Sampler):
+    """Yields this rank's micro-batches, one accumulation window (optimizer step) after another.
+
+    Each micro-batch is a list of `(index, real)` pairs; `real` is False only in filler
+    micro-batches (see the module docstring).
+    """
+
+    def __init__(self, num_examples: int, plan: BatchPlan, rank: int, seed: int):
+        self.num_examples = num_examples
+        self.plan = plan
+        self.rank = rank
+        self.seed = seed
+        self.epoch = 0
+        self.start_step = 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.num_examples / self.plan.global_batch_size)
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """Choose the epoch's permutation and the optimizer step to start from (for resuming)."""
+        self.epoch = epoch
+        self.start_step = start_step
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+
+    def micro_steps(self, step: int) -> int:
+        """Micro-batches in window `step` on every rank (grad_accum_steps, fewer at an epoch's end)."""
+        size = min(self.plan.global_batch_size, self.num_examples - step * self.plan.global_batch_size)
+        share = math.ceil(size / self.plan.world_size)
+        return math.ceil(share / self.plan.micro_batch_size)
+
+    def window(self, epoch: int, step: int) -> list[list[tuple[int, bool]]]:
+        g = self.plan.global_batch_size
+        order = self.permutation(epoch)[step * g:(step + 1) * g].tolist()
+        share = order[self.rank::self.plan.world_size]
+        b = self.plan.micro_batch_size
+        batches = []
+        for m in range(self.micro_steps(step)):
+            part = share[m * b:(m + 1) * b]
+            batches.append([(i, True) for i in part] or [(order[0], False)])
+        return batches
+
+    def __iter__(self):
+        for step in range(self.start_step, self.steps_per_epoch):
+            yield from self.window(self.epoch, step)
+
+    def __len__(self) -> int:
+        return sum(self.micro_steps(s) for s in range(self.start_step, self.steps_per_epoch))
+
+
+class _Marked(Dataset):
+    """Looks up `(index, real)` pairs and marks each example real or filler."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, bool]) -> dict:
+        index, real = key
+        return {**self.dataset[index], "real": real}
+
+
+class Collator:
+    """Pads on the right and builds labels: padding (and filler examples) become -100."""
+
+    def __init__(self, tokenizer, task: str):
+        if task == "causal_lm":
+            self.inner = DataCollatorForLanguageModeling(tokenizer, mlm=False, return_tensors="pt")
+        else:
+            self.inner = DataCollatorWithPadding(tokenizer, padding="longest", return_tensors="pt")
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        real = torch.tensor([f.get("real", True) for f in features])
+        batch = dict(self.inner([{k: v for k, v in f.items() if k != "real"} for f in features]))
+        batch["labels"][~real] = IGNORE_INDEX
+        return batch
+
+
+def train_dataloader(train_set, sampler: WindowSampler, collator: Collator) -> DataLoader:
+    return DataLoader(_Marked(train_set), batch_sampler=sampler, collate_fn=collator)
+
+
+def eval_dataloader(eval_set, rank: int, world_size: int, batch_size: int,
+                    collator: Collator) -> DataLoader:
+    """This rank's strided share of the evaluation set: every example exactly once overall."""
+    shard = list(range(rank, len(eval_set), world_size))
+    batches = [[(i, True) for i in shard[j:j + batch_size]] for j in range(0, len(shard), batch_size)]
+    return DataLoader(_Marked(eval_set), batch_sampler=batches, collate_fn=collator)

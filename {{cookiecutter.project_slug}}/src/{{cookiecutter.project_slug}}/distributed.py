@@ -1,0 +1,100 @@
+"""Process-group set-up shared by the entry points, and `print0`.
+
+The rank, world size and device come from the launcher's environment (torchrun, accelerate
+launch, srun via the sbatch scripts) *before* any process group exists, so configuration errors
+are reported by every process before any process waits on another.
+"""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+
+def dist_env() -> DistEnv:
+    """Read this process's place in the job from the environment (1 process when unset)."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    return DistEnv(rank, local_rank, world_size, local_world_size, device)
+
+
+def init_distributed(env: DistEnv) -> None:
+    """Join the process group: nccl on GPUs, gloo on CPU. A single process joins nothing."""
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+    if env.world_size > 1 and not dist.is_initialized():
+        timeout = timedelta(seconds=int(os.environ.get("DIST_TIMEOUT_S", 1800)))
+        backend = "nccl" if env.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over all processes in place (no-op for one process) and return it."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def print0(*args, **kwargs) -> None:
+    """print() on the main process only."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+class GradSyncCounter:
+    """Counts DDP's gradient all-reduce calls (one per bucket per synchronised backward pass).
+
+    Installed as a DDP communication hook that wraps the default all-reduce, so it counts what
+    DDP really sends; `take()` returns the count since the last call and resets it.
+    """
+
+    def __init__(self, ddp_model) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        self.calls = 0
+        self._allreduce = default_hooks.allreduce_hook
+
+        def hook(state, bucket):
+            self.calls += 1
+            return self._allreduce(state, bucket)
+
+        ddp_model.register_comm_hook(None, hook)
+
+    def take(self) -> int:
+        calls, self.calls = self.calls, 0
+        return calls

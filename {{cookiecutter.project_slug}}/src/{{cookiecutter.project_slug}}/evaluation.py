@@ -1,0 +1,63 @@
+"""Evaluation metrics, computed the same way by every entry point.
+
+Each rank evaluates its own strided shard of the validation set (every example exactly once
+overall), and the sums are added across ranks, so the metrics do not depend on the world size.
+"""
+
+import math
+
+import numpy as np
+import torch
+
+from .distributed import all_reduce_sum
+from .model import count_targets, summed_loss
+
+
+def classification_metrics(confusion: np.ndarray) -> dict[str, float]:
+    """Accuracy and F1 from a confusion matrix (rows: truth, columns: prediction).
+
+    F1 is that of class 1 for two classes (the usual binary F1), else the macro average.
+    """
+    confusion = np.asarray(confusion, dtype=np.float64)
+    tp = np.diag(confusion)
+    precision = np.divide(tp, confusion.sum(0), out=np.zeros_like(tp), where=confusion.sum(0) > 0)
+    recall = np.divide(tp, confusion.sum(1), out=np.zeros_like(tp), where=confusion.sum(1) > 0)
+    denom = precision + recall
+    f1 = np.divide(2 * precision * recall, denom, out=np.zeros_like(tp), where=denom > 0)
+    return {
+        "eval_accuracy": float(tp.sum() / max(confusion.sum(), 1.0)),
+        "eval_f1": float(f1[1] if len(f1) == 2 else f1.mean()),
+    }
+
+
+def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_labels: int) -> np.ndarray:
+    keep = labels >= 0
+    index = labels[keep] * num_labels + preds[keep]
+    return np.bincount(index, minlength=num_labels**2).reshape(num_labels, num_labels)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, task: str, device: torch.device, autocast) -> dict:
+    """eval_loss (mean over real targets), plus eval_perplexity or eval_accuracy/eval_f1."""
+    was_training = model.training
+    model.eval()
+    num_labels = getattr(model.config, "num_labels", 0)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    confusion = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
+    for batch in loader:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        with autocast():
+            logits = model(**batch).logits
+        totals[0] += summed_loss(logits, labels, task).double()
+        totals[1] += count_targets(labels, task)
+        if task == "sequence_classification":
+            cm = confusion_matrix(labels.cpu().numpy(), logits.argmax(-1).cpu().numpy(), num_labels)
+            confusion += torch.as_tensor(cm.reshape(-1), dtype=torch.float64, device=device)
+    all_reduce_sum(totals)
+    all_reduce_sum(confusion)
+    model.train(was_training)
+    loss = (totals[0] / totals[1].clamp(min=1)).item()
+    if task == "causal_lm":
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+    return {"eval_loss": loss, **classification_metrics(confusion.view(num_labels, num_labels).cpu().numpy())}

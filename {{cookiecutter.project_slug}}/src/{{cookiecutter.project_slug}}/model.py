@@ -1,0 +1,109 @@
+"""Tokenizer, model and the loss, for both tasks.
+
+`model_name_or_path: tiny` builds a 2-layer Llama from a config (no download) with the word-level
+tokenizer that ships in `assets/tokenizer`; dropout is 0 so runs compare exactly across world
+sizes. Anything else is loaded with `from_pretrained` (hub name or local path).
+
+The loss is returned as a *sum* over real targets (labels != -100) together with their count, so
+each loop can divide by the number of real targets in the whole global batch: accumulating k
+micro-batches on n processes then gives exactly the gradient of the mean loss of the big batch,
+however the padding falls.
+"""
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    LlamaConfig,
+)
+
+from .config import ConfigError, TrainConfig
+from .data import ASSETS, IGNORE_INDEX
+
+TINY = "tiny"
+
+
+def _hub_error(name: str, err: Exception) -> ConfigError:
+    reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    where = "local path" if Path(name).exists() else "model"
+    return ConfigError(
+        f"cannot load {where} {name!r} ({reason}); use model_name_or_path: tiny, a local path, "
+        "or a hub name while the hub is reachable"
+    )
+
+
+def load_tokenizer(cfg: TrainConfig):
+    name = str(ASSETS / "tokenizer") if cfg.model_name_or_path == TINY else cfg.model_name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise _hub_error(cfg.model_name_or_path, err) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def model_config(cfg: TrainConfig, tokenizer, num_labels: int = 2):
+    """The model's config, checked before any process waits on another."""
+    if cfg.model_name_or_path == TINY:
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=max(128, cfg.max_seq_len),
+            tie_word_embeddings=True,
+            attention_dropout=0.0,
+        )
+    else:
+        try:
+            config = AutoConfig.from_pretrained(cfg.model_name_or_path)
+        except (OSError, ValueError) as err:
+            raise _hub_error(cfg.model_name_or_path, err) from None
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    if cfg.task == "sequence_classification":
+        config.num_labels = num_labels
+    return config
+
+
+def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
+    """The model in fp32, initialised from `cfg.seed` (tiny) or the pretrained weights."""
+    auto = AutoModelForCausalLM if cfg.task == "causal_lm" else AutoModelForSequenceClassification
+    torch.manual_seed(cfg.seed)
+    if cfg.model_name_or_path == TINY:
+        model = auto.from_config(config, dtype=torch.float32)
+    else:
+        model = auto.from_pretrained(cfg.model_name_or_path, config=config, dtype=torch.float32)
+    if cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing works with DDP's no_sync and with unused parameters.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+def _targets(logits: torch.Tensor, labels: torch.Tensor, task: str):
+    if task == "causal_lm":  # position t predicts token t+1
+        return logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    return logits, labels
+
+
+def count_targets(labels: torch.Tensor, task: str) -> int:
+    """Real targets in a batch: non-padding next tokens (causal_lm) or labelled examples."""
+    target = labels[:, 1:] if task == "causal_lm" else labels
+    return int((target != IGNORE_INDEX).sum())
+
+
+def summed_loss(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
+    """Cross-entropy summed (not averaged) over the real targets of the batch, in fp32."""
+    flat_logits, flat_labels = _targets(logits, labels, task)
+    return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")

@@ -1,0 +1,107 @@
+"""The run's record: `metrics.jsonl` and Weights & Biases, written by the main process only.
+
+One JSON object per optimizer step (`step`, `loss`, `lr`, `grad_norm`, `tokens`, `micro_steps`,
+`grad_sync_calls`, `world_size`, `grad_accum_steps`, `global_batch_size`, `elapsed_s`) and one
+per evaluation (`step`, `eval_loss`, ...). On resume the file is appended to.
+
+W&B: the W&B step is the optimizer step; training keys go under `train/`, evaluation keys under
+`eval/`. Without an API key (no WANDB_API_KEY, no `wandb login`) the run is offline, and the
+`wandb sync` command is printed. The key itself is never written anywhere by this code.
+"""
+
+import json
+import netrc
+import os
+import time
+from pathlib import Path
+
+from .batch import BatchPlan
+from .config import TrainConfig
+from .distributed import DistEnv, print0
+
+TRAIN_KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+              "grad_sync_calls": "train/grad_sync_calls"}
+
+
+def _has_wandb_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def run_name(env: DistEnv, plan: BatchPlan) -> str:
+    procs = env.world_size // env.num_nodes
+    return f"{env.num_nodes}x{procs}-acc{plan.grad_accum_steps}-mb{plan.micro_batch_size}"
+
+
+class Tracker:
+    """Rank 0 writes; other ranks hold a Tracker that does nothing."""
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool):
+        self.active = env.is_main_process
+        self.path = Path(cfg.output_dir) / "metrics.jsonl"
+        self.wandb_run = None
+        self.start = time.perf_counter()
+        self.last_elapsed = 0.0  # elapsed_s of the previous step record, for tokens_per_s
+        if not self.active:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not resumed:
+            self.path.write_text("")
+        if cfg.report_to == "wandb":
+            self.wandb_run = _init_wandb(cfg, env, plan, resumed)
+
+    def log(self, record: dict) -> None:
+        """Append one record (a training step or an evaluation) and send it to W&B."""
+        if not self.active:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(self._wandb_record(record), step=record["step"])
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def _wandb_record(self, record: dict) -> dict:
+        if "eval_loss" in record:
+            return {f"eval/{k.removeprefix('eval_')}": v for k, v in record.items() if k.startswith("eval_")}
+        out = {wandb_key: record[key] for key, wandb_key in TRAIN_KEYS.items() if key in record}
+        seconds = record["elapsed_s"] - self.last_elapsed
+        out["train/tokens_per_s"] = record["tokens"] / seconds if seconds > 0 else 0.0
+        self.last_elapsed = record["elapsed_s"]
+        return out
+
+    def finish(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            if self.wandb_run.settings.mode == "offline":
+                print0(f"W&B run saved offline in {self.wandb_run.dir}; upload it with: "
+                       f"wandb sync {Path(self.wandb_run.dir).parent}")
+
+
+def _init_wandb(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool):
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE") or ("online" if _has_wandb_key() else "offline")
+    id_file = Path(cfg.output_dir) / "wandb_run_id"
+    run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
+    slurm_job = os.environ.get("SLURM_JOB_ID")
+    run = wandb.init(
+        project=cfg.wandb_project,
+        entity=cfg.wandb_entity or None,
+        name=run_name(env, plan),
+        group=slurm_job,
+        id=run_id,
+        resume="allow" if run_id else None,
+        mode=mode,
+        dir=None if os.environ.get("WANDB_DIR") else cfg.output_dir,
+        config={**cfg.to_dict(), "world_size": env.world_size, "num_nodes": env.num_nodes,
+                "grad_accum_steps": plan.grad_accum_steps,
+                "global_batch_size": plan.global_batch_size, "slurm_job_id": slurm_job},
+    )
+    id_file.write_text(run.id)
+    return run

@@ -1,0 +1,131 @@
+"""Shared test helpers: run an entry point for real (1 process, or torchrun on CPU with gloo)
+and cache the runs, so tests that need the same run share it.
+
+Everything stays on loopback (127.0.0.1, GLOO_SOCKET_IFNAME=lo), offline (HF_HUB_OFFLINE=1,
+WANDB_MODE=offline in a temporary WANDB_DIR), and every launch has a timeout.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SLUG = "{{ cookiecutter.project_slug }}"
+LAUNCH_TIMEOUT_S = 240
+# Small, fast, exact: fp32, no dropout, no warmup, no W&B unless a test asks for it.
+FAST = {"report_to": "none", "warmup_steps": "0", "max_seq_len": "48"}
+
+
+def pytest_configure(config):
+    """In-process tests load data and tokenizers too: keep them offline and out of ~/.cache."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ.setdefault("HF_DATASETS_CACHE", str(config.rootpath / ".pytest_cache" / "hf_datasets"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    output_dir: Path
+
+    @property
+    def records(self) -> list[dict]:
+        path = self.output_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    @property
+    def steps(self) -> list[dict]:
+        return [r for r in self.records if "loss" in r]
+
+    @property
+    def evals(self) -> list[dict]:
+        return [r for r in self.records if "eval_loss" in r]
+
+    def params(self) -> dict:
+        return load_file(self.output_dir / "final_model" / "model.safetensors")
+
+
+def offline_env(tmp: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "SLURM_"))}
+    env.update(
+        PYTHONPATH=str(ROOT / "src"),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_DATASETS_DISABLE_PROGRESS_BARS="1",
+        HF_DATASETS_CACHE=str(tmp / "hf_datasets"),
+        WANDB_MODE="offline",
+        WANDB_DIR=str(tmp / "wandb"),
+        WANDB_SILENT="true",
+        GLOO_SOCKET_IFNAME="lo",
+        MASTER_ADDR="127.0.0.1",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    (tmp / "wandb").mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def launch_cmd(entry: str, nproc: int) -> list[str]:
+    module = f"{SLUG}.train_{entry}"
+    if nproc == 1:
+        return [sys.executable, "-m", module]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
+            str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", module]
+
+
+def run_entry(entry: str, nproc: int, output_dir: Path, env: dict, flags: dict | None = None,
+              extra: list[str] | None = None) -> Run:
+    args = [arg for key, value in {**FAST, **(flags or {})}.items() for arg in (f"--{key}", str(value))]
+    cmd = launch_cmd(entry, nproc) + args + ["--output_dir", str(output_dir)] + (extra or [])
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+    return Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
+
+
+class RunCache:
+    """Runs keyed by (entry, processes, flags); each is launched once per test session."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.env = offline_env(root)
+        self.runs: dict[tuple, Run] = {}
+
+    def __call__(self, entry: str, nproc: int, **flags) -> Run:
+        key = (entry, nproc, tuple(sorted((k, str(v)) for k, v in flags.items())))
+        if key not in self.runs:
+            out = self.root / f"run{len(self.runs)}"
+            run = run_entry(entry, nproc, out, self.env, flags)
+            assert run.returncode == 0, f"{key} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+            self.runs[key] = run
+        return self.runs[key]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> RunCache:
+    return RunCache(tmp_path_factory.mktemp("runs"))
+
+
+@pytest.fixture
+def env(tmp_path) -> dict:
+    return offline_env(tmp_path)
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

@@ -1,0 +1,67 @@
+"""Mistakes a user can make at launch: exit code 2 and one line on stderr from each process,
+no traceback, before any process waits on another. Under torchrun the launcher reports the failed
+workers with its own code (1) and each worker's line appears in its output."""
+
+import subprocess
+
+import pytest
+
+from conftest import ROOT, SLUG, launch_cmd
+
+ENTRIES = [e for e in ("pytorch", "accelerate", "trainer") if (ROOT / "src" / SLUG / f"train_{e}.py").exists()]
+
+
+def launch(entry, nproc, args, env, tmp_path):
+    cmd = launch_cmd(entry, nproc) + ["--report_to", "none", "--max_steps", "2"] + args
+    if "--output_dir" not in args:
+        cmd += ["--output_dir", str(tmp_path / "out")]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+def bad_inputs(tmp_path):
+    file_in_the_way = tmp_path / "a_file"
+    file_in_the_way.write_text("x")
+    return [
+        (["--max_stepz", "3"], "unknown flag(s) ['--max_stepz', '3']"),
+        (["--learning_rate", "fast"], "argument --learning_rate: invalid float value: 'fast'"),
+        (["--config", "nope.yaml"], "config file nope.yaml not found"),
+        (["--dataset", str(tmp_path / "missing")], "is not a folder of train/validation files"),
+        (["--global_batch_size", "10", "--micro_batch_size", "4"],
+         "global_batch_size 10 is not divisible by micro_batch_size 4 x world_size 1 = 4"),
+        (["--model_name_or_path", "no-such-org/no-such-model"], "cannot load model 'no-such-org/no-such-model'"),
+        (["--resume_from_checkpoint", str(tmp_path / "nothing")], "is not a complete checkpoint"),
+        (["--output_dir", str(file_in_the_way)], "is a file; choose a folder"),
+    ]
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_bad_input_exits_2_with_one_line(entry, env, tmp_path):
+    for args, message in bad_inputs(tmp_path):
+        proc = launch(entry, 1, args, env, tmp_path)
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr, args
+        lines = error_lines(proc.stderr)
+        assert len(lines) == 1 and message in lines[0], (args, proc.stderr[-1000:])
+
+
+@pytest.mark.skipif("pytorch" not in ENTRIES, reason="the pytorch entry was not generated")
+def test_pytorch_entry_refuses_deepspeed(env, tmp_path):
+    proc = launch("pytorch", 1, ["--deepspeed", "configs/deepspeed/zero2.json"], env, tmp_path)
+    assert proc.returncode == 2
+    assert error_lines(proc.stderr) == ["error: train_pytorch does not run DeepSpeed; use "
+                                        "train_accelerate or train_trainer with --deepspeed, or drop --deepspeed"]
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_every_worker_reports_its_error_under_torchrun(entry, env, tmp_path):
+    proc = launch(entry, 2, ["--global_batch_size", "16", "--micro_batch_size", "3"], env, tmp_path)
+    assert proc.returncode == 1  # torchrun's own code for failed workers
+    output = proc.stdout + proc.stderr
+    expected = ("error: global_batch_size 16 is not divisible by micro_batch_size 3 x world_size 2 = 6; "
+                "use a multiple of 6 or another micro_batch_size")
+    assert sum(line.endswith(expected) for line in output.splitlines()) == 2
+    assert "exitcode  : 2" in output

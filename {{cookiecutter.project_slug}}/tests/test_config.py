@@ -1,0 +1,77 @@
+"""One config, typed: YAML keys and flags map one to one, and mistakes are ConfigErrors."""
+
+from dataclasses import fields
+
+import pytest
+import yaml
+
+from {{ cookiecutter.project_slug }}.batch import plan_batches
+from {{ cookiecutter.project_slug }}.config import ConfigError, TrainConfig, load_config
+
+from conftest import ROOT
+
+CONFIG = ROOT / "configs" / "train.yaml"
+
+
+def test_config_file_holds_every_field_and_nothing_else():
+    keys = set(yaml.safe_load(CONFIG.read_text()))
+    assert keys == {f.name for f in fields(TrainConfig)}
+    assert all(f.metadata.get("help") for f in fields(TrainConfig))
+
+
+def test_flags_override_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 1.0e-4\nmax_steps: 7\ngradient_checkpointing: true\n")
+    cfg = load_config(["--config", str(path), "--max_steps", "9", "--optimizer", "sgd"])
+    assert (cfg.learning_rate, cfg.max_steps, cfg.optimizer, cfg.gradient_checkpointing) == (1e-4, 9, "sgd", True)
+    assert load_config(["--config", str(path), "--gradient_checkpointing", "false"]).gradient_checkpointing is False
+
+
+@pytest.mark.parametrize("text,message", [
+    ("max_step: 3\n", "unknown key(s) max_step"),
+    ("max_steps: three\n", "invalid int value: 'three'"),
+    ("max_steps: 1.5\n", "invalid int value: '1.5'"),
+    ("learning_rate: fast\n", "invalid float value: 'fast'"),
+    ("task: translation\n", "invalid choice: 'translation'"),
+    ("micro_batch_size: 0\n", "micro_batch_size must be >= 1, got 0"),
+    ("max_steps: 0\n", "max_steps must be -1 (train num_epochs) or >= 1, got 0"),
+    ("- a list\n", "must hold a mapping"),
+    ("seed: [1, 2]\n", "must be a single value"),
+    ("seed: 1\n  bad indent: 2\n", "is not valid YAML"),
+])
+def test_bad_config_files(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(["--config", str(path)])
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max_stepz", "3"], "unknown flag(s) ['--max_stepz', '3']"),
+    (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["--optimizer", "lion"], "invalid choice: 'lion'"),
+    (["--warmup_steps", "-1"], "warmup_steps must be >= 0, got -1"),
+    (["--config", "missing.yaml"], "config file missing.yaml not found"),
+])
+def test_bad_flags(argv, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(["--config", str(CONFIG)] + argv)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("global_batch,micro,world,accum", [(64, 8, 1, 8), (64, 8, 2, 4), (64, 8, 8, 1),
+                                                             (96, 4, 3, 8), (16, 2, 2, 4)])
+def test_batch_maths(global_batch, micro, world, accum):
+    plan = plan_batches(global_batch, micro, world)
+    assert plan.grad_accum_steps == accum
+    assert plan.global_batch_size == global_batch
+    table = plan.table(max_seq_len=32)
+    assert f"{accum:>10}" in table and f"{global_batch * 32:>10}" in table
+
+
+def test_batch_maths_that_does_not_divide():
+    with pytest.raises(ConfigError) as err:
+        plan_batches(64, 8, 3)
+    assert str(err.value).startswith("global_batch_size 64 is not divisible by micro_batch_size 8 x "
+                                     "world_size 3 = 24")
