@@ -24,12 +24,11 @@ def unchosen_paths(answers: dict) -> list[Path]:
     for entry in ENTRIES:
         if entry not in chosen:
             paths += [Path("src", SLUG, f"train_{entry}.py"), Path("tests", f"test_{entry}.py")]
-    uses_deepspeed = answers["deepspeed_stage"] != "none" and chosen != ("pytorch",)
-    if not uses_deepspeed:
-        paths += [Path("configs", "deepspeed"), Path("scripts", "slurm", "deepspeed.sbatch"),
-                  *Path("configs", "accelerate").glob("deepspeed_*.yaml")]
-    if "accelerate" not in chosen:
-        paths += [Path("configs", "accelerate"), Path("scripts", "slurm", "accelerate.sbatch")]
+    # Accelerate and DeepSpeed launch the accelerate and trainer entry points, not plain PyTorch.
+    if chosen == ("pytorch",):
+        paths += [Path("configs", "accelerate"), Path("configs", "deepspeed")]
+    elif answers["deepspeed_stage"] == "none":
+        paths += [Path("configs", "deepspeed"), *Path("configs", "accelerate").glob("deepspeed_*.yaml")]
     return paths
 
 

@@ -25,14 +25,20 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
     files = {
         ".cookiecutter.json", ".gitignore", "Makefile", "README.md", "pyproject.toml",
         "configs/train.yaml", "scripts/train_local.sh",
-        *(f"{pkg}/{m}.py" for m in ("__init__", "batch", "checkpoint", "config", "data", "distributed",
-                                     "evaluation", "model", "optim", "tracking")),
+        *(f"{pkg}/{m}.py" for m in ("__init__", "batch", "checkpoint", "config", "coordination", "data",
+                                     "distributed", "evaluation", "model", "optim", "session", "tracking")),
         *(f"{pkg}/assets/data/{t}/{s}.jsonl" for t in TASKS for s in ("train", "validation")),
         f"{pkg}/assets/tokenizer/tokenizer.json", f"{pkg}/assets/tokenizer/tokenizer_config.json",
-        *(f"tests/{m}.py" for m in ("conftest", "test_cli", "test_config", "test_data", "test_scripts")),
+        *(f"tests/{m}.py" for m in ("conftest", "test_cli", "test_config", "test_data", "test_parity",
+                                    "test_scripts")),
     }
     for entry in entries:
         files |= {f"{pkg}/train_{entry}.py", f"tests/test_{entry}.py"}
+    if entries != ("pytorch",):
+        files |= {f"configs/accelerate/{name}.yaml" for name in ("single", "multi_gpu", "multi_node", "fsdp")}
+        if deepspeed_stage != "none":
+            files |= {f"configs/accelerate/deepspeed_zero{stage}.yaml" for stage in (1, 2, 3)}
+            files |= {f"configs/deepspeed/{name}.json" for name in ("zero1", "zero2", "zero3", "zero3_offload")}
     return files
 
 

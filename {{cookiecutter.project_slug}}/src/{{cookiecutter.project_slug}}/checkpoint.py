@@ -82,25 +82,34 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(output_dir: str, step: int, env: DistEnv, write: Callable[[Path], None],
                     state: dict, keep: int) -> Path:
-    """Run `write(folder)` on every process, then publish the folder as step_<step>."""
-    root = checkpoints_dir(output_dir)
-    tmp, final = root / f".tmp_step_{step}", root / f"step_{step}"
+    """Run `write(folder)` on every process into a temporary folder, then publish it."""
+    tmp = checkpoints_dir(output_dir) / f".tmp_step_{step}"
     if env.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
     write(tmp)
-    torch.save(rng_state(), tmp / f"rng_rank{env.rank}.pt")
+    return publish_checkpoint(output_dir, step, env, tmp, state, keep)
+
+
+def publish_checkpoint(output_dir: str, step: int, env: DistEnv, written: Path, state: dict, keep: int) -> Path:
+    """Once every process has finished writing `written`: mark it complete (state.json), rename it
+    to step_<step> and drop all but the newest `keep` checkpoints."""
+    final = checkpoints_dir(output_dir) / f"step_{step}"
     barrier()
     if env.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        (written / STATE_FILE).write_text(json.dumps(state, indent=2))
         shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        written.rename(final)
         if keep:
             for old in complete_checkpoints(output_dir)[:-keep]:
                 shutil.rmtree(old)
     barrier()
     return final
+
+
+def save_rng(folder: Path, rank: int) -> None:
+    torch.save(rng_state(), folder / f"rng_rank{rank}.pt")
 
 
 def load_rng(path: Path, rank: int) -> None:

@@ -180,7 +180,7 @@ def run_cli(train: Callable[[TrainConfig], None]) -> None:
     """Parse the config and train; a ConfigError becomes one line on stderr and exit code 2.
 
     The process group is destroyed only after `train` has returned, so that DDP's reducer (which
-    holds the group) is freed first: the other order can hang in gloo's destructor.
+    holds the group) is freed first: the other order can hang or abort in gloo's destructor.
     """
     try:
         train(load_config())

@@ -167,8 +167,15 @@ class Collator:
         return batch
 
 
-def train_dataloader(train_set, sampler: WindowSampler, collator: Collator) -> DataLoader:
-    return DataLoader(_Marked(train_set), batch_sampler=sampler, collate_fn=collator)
+class WindowLoader(DataLoader):
+    """DataLoader over a WindowSampler; `set_epoch` reaches the sampler (the Trainer calls it)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+def train_dataloader(train_set, sampler: WindowSampler, collator: Collator) -> WindowLoader:
+    return WindowLoader(_Marked(train_set), batch_sampler=sampler, collate_fn=collator)
 
 
 def eval_dataloader(eval_set, rank: int, world_size: int, batch_size: int,

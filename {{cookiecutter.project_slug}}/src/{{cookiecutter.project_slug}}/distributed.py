@@ -5,6 +5,7 @@ launch, srun via the sbatch scripts) *before* any process group exists, so confi
 are reported by every process before any process waits on another.
 """
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -54,7 +55,14 @@ def init_distributed(env: DistEnv) -> None:
 
 
 def cleanup() -> None:
+    """Destroy the process group once nothing uses it any more.
+
+    DDP's reducer holds the group; a reducer still alive in a reference cycle (a Trainer and its
+    callbacks) would be freed after the group and abort in gloo's destructor, hence the collect.
+    """
     if dist.is_initialized():
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 

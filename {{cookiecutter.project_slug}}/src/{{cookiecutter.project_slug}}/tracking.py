@@ -38,9 +38,12 @@ def run_name(env: DistEnv, plan: BatchPlan) -> str:
 
 
 class Tracker:
-    """Rank 0 writes; other ranks hold a Tracker that does nothing."""
+    """Rank 0 writes; other ranks hold a Tracker that does nothing.
 
-    def __init__(self, cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool):
+    W&B runs through Accelerate's tracker when an `accelerator` is given, else through wandb.init.
+    """
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool, accelerator=None):
         self.active = env.is_main_process
         self.path = Path(cfg.output_dir) / "metrics.jsonl"
         self.wandb_run = None
@@ -52,7 +55,7 @@ class Tracker:
         if not resumed:
             self.path.write_text("")
         if cfg.report_to == "wandb":
-            self.wandb_run = _init_wandb(cfg, env, plan, resumed)
+            self.wandb_run = _init_wandb(cfg, env, plan, resumed, accelerator)
 
     def log(self, record: dict) -> None:
         """Append one record (a training step or an evaluation) and send it to W&B."""
@@ -83,25 +86,34 @@ class Tracker:
                        f"wandb sync {Path(self.wandb_run.dir).parent}")
 
 
-def _init_wandb(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool):
-    import wandb
-
-    mode = os.environ.get("WANDB_MODE") or ("online" if _has_wandb_key() else "offline")
+def wandb_settings(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool) -> tuple[dict, dict]:
+    """(run config, wandb.init keyword arguments other than project and config)."""
     id_file = Path(cfg.output_dir) / "wandb_run_id"
     run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
     slurm_job = os.environ.get("SLURM_JOB_ID")
-    run = wandb.init(
-        project=cfg.wandb_project,
-        entity=cfg.wandb_entity or None,
-        name=run_name(env, plan),
-        group=slurm_job,
-        id=run_id,
-        resume="allow" if run_id else None,
-        mode=mode,
-        dir=None if os.environ.get("WANDB_DIR") else cfg.output_dir,
-        config={**cfg.to_dict(), "world_size": env.world_size, "num_nodes": env.num_nodes,
-                "grad_accum_steps": plan.grad_accum_steps,
-                "global_batch_size": plan.global_batch_size, "slurm_job_id": slurm_job},
-    )
-    id_file.write_text(run.id)
+    run_config = {**cfg.to_dict(), "world_size": env.world_size, "num_nodes": env.num_nodes,
+                  "grad_accum_steps": plan.grad_accum_steps,
+                  "global_batch_size": plan.global_batch_size, "slurm_job_id": slurm_job}
+    init = {
+        "entity": cfg.wandb_entity or None,
+        "name": run_name(env, plan),
+        "group": slurm_job,
+        "id": run_id,
+        "resume": "allow" if run_id else None,
+        "mode": os.environ.get("WANDB_MODE") or ("online" if _has_wandb_key() else "offline"),
+        "dir": None if os.environ.get("WANDB_DIR") else cfg.output_dir,
+    }
+    return run_config, init
+
+
+def _init_wandb(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool, accelerator):
+    run_config, init = wandb_settings(cfg, env, plan, resumed)
+    if accelerator is None:
+        import wandb
+
+        run = wandb.init(project=cfg.wandb_project, config=run_config, **init)
+    else:  # through Accelerate's tracker (Accelerator(log_with="wandb"))
+        accelerator.init_trackers(cfg.wandb_project, config=run_config, init_kwargs={"wandb": init})
+        run = accelerator.get_tracker("wandb", unwrap=True)
+    (Path(cfg.output_dir) / "wandb_run_id").write_text(run.id)
     return run

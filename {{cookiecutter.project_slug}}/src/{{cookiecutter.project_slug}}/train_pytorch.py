@@ -25,14 +25,13 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .batch import BatchPlan, plan_batches
-from .checkpoint import load_rng, read_state, resolve_resume, save_checkpoint
-from .config import ConfigError, TrainConfig, run_cli
-from .data import Collator, WindowSampler, eval_dataloader, load_raw_dataset, num_labels, tokenize, train_dataloader
-from .distributed import DistEnv, GradSyncCounter, all_reduce_sum, dist_env, init_distributed, print0
+from .checkpoint import load_rng, read_state, save_checkpoint, save_rng
+from .config import TrainConfig, run_cli
+from .distributed import DistEnv, GradSyncCounter, all_reduce_sum, init_distributed, print0
 from .evaluation import evaluate
-from .model import build_model, count_targets, load_tokenizer, model_config, summed_loss
-from .optim import build_optimizer, build_scheduler, total_steps
+from .model import build_model, count_targets, summed_loss
+from .optim import build_optimizer, build_scheduler
+from .session import Session
 from .tracking import Tracker
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -54,6 +53,8 @@ def train_step(ddp_model, window: list[dict], optimizer, lr_scheduler, scaler, c
             with autocast():
                 logits = ddp_model(**batch).logits
             loss = summed_loss(logits, labels, cfg.task)
+            # DDP averages over ranks, hence x world_size: the sum over the window and the ranks
+            # is then the gradient of the global batch's mean loss.
             scaler.scale(loss * (env.world_size / num_targets)).backward()
         loss_sum += loss.detach().double().cpu()
     scaler.unscale_(optimizer)  # once per optimizer step, before clipping
@@ -68,104 +69,66 @@ def train_step(ddp_model, window: list[dict], optimizer, lr_scheduler, scaler, c
 
 
 def train(cfg: TrainConfig) -> None:
-    # Everything that can be wrong with the input is checked before any process waits on another.
-    env = dist_env()
-    if cfg.deepspeed:
-        raise ConfigError("train_pytorch does not run DeepSpeed; use train_accelerate or "
-                          "train_trainer with --deepspeed, or drop --deepspeed")
-    plan: BatchPlan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, env.world_size)
-    resume = resolve_resume(cfg)
-    tokenizer = load_tokenizer(cfg)
-    raw = load_raw_dataset(cfg)
-    labels = num_labels(raw) if cfg.task == "sequence_classification" else 2
-    config = model_config(cfg, tokenizer, labels)
-    data = tokenize(raw, tokenizer, cfg)
-    sampler = WindowSampler(len(data["train"]), plan, env.rank, cfg.seed)
-    steps = total_steps(cfg, sampler.steps_per_epoch)
-
-    model = build_model(cfg, config).to(env.device)
+    session = Session.start(cfg, uses_deepspeed=False)  # every input check, before any waiting
+    env = session.env
+    model = build_model(cfg, session.model_config).to(env.device)
     optimizer = build_optimizer(model, cfg)
-    lr_scheduler = build_scheduler(optimizer, cfg, steps)
+    lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps)
     scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.mixed_precision == "fp16")
-    step = 0
-    if resume is not None:
-        step = read_state(resume)["step"]
-        load_model(model, str(resume / "model.safetensors"), device=str(env.device))
-        state = torch.load(resume / "training_state.pt", map_location=env.device, weights_only=False)
+    start_step = 0
+    if session.resume is not None:
+        start_step = read_state(session.resume)["step"]
+        load_model(model, str(session.resume / "model.safetensors"), device=str(env.device))
+        state = torch.load(session.resume / "training_state.pt", map_location=env.device, weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         lr_scheduler.load_state_dict(state["lr_scheduler"])
         scaler.load_state_dict(state["scaler"])
-        load_rng(resume, env.rank)
+        load_rng(session.resume, env.rank)
 
     init_distributed(env)
-    print0(f"train_pytorch: {cfg.task}, {sum(p.numel() for p in model.parameters()):,} parameters, "
-           f"{steps} optimizer steps ({sampler.steps_per_epoch} per epoch)"
-           + (f", resuming after step {step} from {resume}" if resume else ""))
-    print0(plan.table(cfg.max_seq_len))
-    ddp_model = model
-    sync_counter = None
+    print0(session.banner("train_pytorch", model, start_step))
+    ddp_model, sync_counter = model, None
     if env.world_size > 1:
         ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                         bucket_cap_mb=cfg.ddp_bucket_cap_mb)
         sync_counter = GradSyncCounter(ddp_model)
     autocast = partial(torch.autocast, device_type=env.device.type,
                        dtype=AMP_DTYPES.get(cfg.mixed_precision), enabled=cfg.mixed_precision != "no")
-    collator = Collator(tokenizer, cfg.task)
-    loader = train_dataloader(data["train"], sampler, collator)
-    eval_loader = eval_dataloader(data["validation"], env.rank, env.world_size,
-                                  cfg.micro_batch_size, collator)
-    tracker = Tracker(cfg, env, plan, resumed=resume is not None)
+    train_loader, eval_loader = session.loaders()
+    tracker = Tracker(cfg, env, session.plan, resumed=session.resume is not None)
 
     def run_eval() -> None:
         tracker.log({"step": step, **evaluate(model, eval_loader, cfg.task, env.device, autocast)})
 
     def checkpoint() -> None:
         def write(folder: Path) -> None:
+            save_rng(folder, env.rank)
             if env.is_main_process:
                 save_model(model, str(folder / "model.safetensors"))
-                torch.save({"optimizer": optimizer.state_dict(),
-                            "lr_scheduler": lr_scheduler.state_dict(),
+                torch.save({"optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
                             "scaler": scaler.state_dict()}, folder / "training_state.pt")
 
-        path = save_checkpoint(cfg.output_dir, step, env, write,
-                               {"step": step, "world_size": env.world_size, "config": cfg.to_dict()},
-                               cfg.save_total_limit)
-        print0(f"checkpoint: {path}")
+        state = {"step": step, "world_size": env.world_size, "config": cfg.to_dict()}
+        print0(f"checkpoint: {save_checkpoint(cfg.output_dir, step, env, write, state, cfg.save_total_limit)}")
 
     model.train()
-    job_steps = 0
-    while step < steps:
-        epoch, first = divmod(step, sampler.steps_per_epoch)
-        sampler.set_epoch(epoch, first)
-        micro_batches = iter(loader)
-        for s in range(first, min(sampler.steps_per_epoch, first + steps - step)):
-            window = [next(micro_batches) for _ in range(sampler.micro_steps(s))]
-            record = train_step(ddp_model, window, optimizer, lr_scheduler, scaler, cfg, env, autocast)
-            step += 1
-            job_steps += 1
-            if sync_counter is not None:
-                record["grad_sync_calls"] = sync_counter.take()
-            tracker.log({"step": step, **record, "world_size": env.world_size,
-                         "grad_accum_steps": plan.grad_accum_steps,
-                         "global_batch_size": plan.global_batch_size,
-                         "elapsed_s": round(tracker.elapsed(), 3)})
-            if cfg.eval_every and step % cfg.eval_every == 0:
-                run_eval()
-            stop = job_steps == cfg.stop_after_steps and step < steps
-            if stop or (cfg.save_steps and step % cfg.save_steps == 0):
-                checkpoint()
-            if stop:
-                print0(f"stopping after {job_steps} steps of this job (step {step} of {steps}); "
-                       "continue with --resume_from_checkpoint auto")
-                tracker.finish()
-                return
-        if cfg.eval_every == 0:
-            run_eval()
+    step, job_steps = start_step, 0
+    for step, window, ends_epoch in session.windows(train_loader, start_step):
+        values = train_step(ddp_model, window, optimizer, lr_scheduler, scaler, cfg, env, autocast)
+        if sync_counter is not None:
+            values["grad_sync_calls"] = sync_counter.take()
+        tracker.log(session.record(step, values, tracker.elapsed()))
+        job_steps += 1
+        if session.after_step(step, job_steps, ends_epoch, run_eval, checkpoint):
+            print0(f"stopping after {job_steps} steps of this job (step {step} of {session.total_steps}); "
+                   "continue with --resume_from_checkpoint auto")
+            tracker.finish()
+            return
 
     if env.is_main_process:
         final = Path(cfg.output_dir) / "final_model"
         model.save_pretrained(final)
-        tokenizer.save_pretrained(final)
+        session.tokenizer.save_pretrained(final)
         print0(f"done: {step} steps; metrics in {tracker.path}, model in {final}")
     tracker.finish()
 

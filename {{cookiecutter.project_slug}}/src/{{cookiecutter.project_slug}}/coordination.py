@@ -1,0 +1,78 @@
+"""One source of truth for accumulation and batch sizes, whatever the launcher.
+
+Our config and the real world size decide `grad_accum_steps` (batch.py). Accelerate and DeepSpeed
+have their own copies of these numbers (an accelerate YAML's `gradient_accumulation_steps`, a
+DeepSpeed JSON's batch keys); where they are explicit and disagree, the libraries warn and pick
+one. We refuse instead, at start-up, with one line naming both values (exit code 2). Keys left
+"auto" are filled from our config here, so DeepSpeed's engine, Accelerate and the Trainer all
+count the same micro-steps and the engine's accumulation boundary is our window's end.
+"""
+
+import json
+import os
+from pathlib import Path
+
+from .batch import BatchPlan
+from .config import ConfigError, TrainConfig
+
+
+def check_launcher_env(plan: BatchPlan) -> None:
+    """`accelerate launch` exports the YAML's gradient_accumulation_steps; it must be ours."""
+    value = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if value not in (None, "", "auto") and int(value) != plan.grad_accum_steps:
+        raise ConfigError(
+            f"the accelerate config sets gradient_accumulation_steps {value}, but global_batch_size "
+            f"{plan.global_batch_size} / (micro_batch_size {plan.micro_batch_size} x world_size "
+            f"{plan.world_size}) gives {plan.grad_accum_steps}; remove it from the YAML (train.yaml decides)"
+        )
+
+
+def deepspeed_config_path(cfg: TrainConfig) -> str:
+    """The DeepSpeed JSON of this run: --deepspeed, or the one `accelerate launch` names."""
+    from_launcher = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")
+    if cfg.deepspeed and from_launcher and Path(cfg.deepspeed).resolve() != Path(from_launcher).resolve():
+        raise ConfigError(
+            f"--deepspeed {cfg.deepspeed} and the accelerate config's deepspeed_config_file "
+            f"{from_launcher} differ; give one of them"
+        )
+    return cfg.deepspeed or from_launcher
+
+
+def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict | None:
+    """The DeepSpeed config with every "auto" filled from ours; explicit disagreements refused."""
+    path = deepspeed_config_path(cfg)
+    if not path:
+        return None
+    try:
+        config = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"DeepSpeed config {path} not found; pass --deepspeed configs/deepspeed/zero2.json") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from None
+    ours = {
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum_steps,
+        "train_batch_size": plan.global_batch_size,
+        "gradient_clipping": cfg.max_grad_norm,
+    }
+    for key, value in ours.items():
+        theirs = config.get(key, "auto")
+        if theirs == "auto":
+            config[key] = value
+        elif not isinstance(theirs, (int, float)) or float(theirs) != float(value):
+            raise ConfigError(
+                f"DeepSpeed config {path} sets {key} {theirs!r} but this run derives {value} "
+                f"(global_batch_size {plan.global_batch_size}, micro_batch_size {plan.micro_batch_size}, "
+                f"world_size {plan.world_size}, max_grad_norm {cfg.max_grad_norm}); set it to \"auto\""
+            )
+    for precision in ("bf16", "fp16"):
+        section = config.setdefault(precision, {})
+        wanted = cfg.mixed_precision == precision
+        if section.get("enabled", "auto") == "auto":
+            section["enabled"] = wanted
+        elif bool(section["enabled"]) != wanted:
+            raise ConfigError(
+                f"DeepSpeed config {path} sets {precision}.enabled {section['enabled']} but "
+                f"mixed_precision is {cfg.mixed_precision!r}; set it to \"auto\""
+            )
+    return config

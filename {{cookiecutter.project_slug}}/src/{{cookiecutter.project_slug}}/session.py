@@ -1,0 +1,93 @@
+"""What every entry point does around its own loop: check the input, build the data, walk the
+accumulation windows, and decide when to evaluate, checkpoint and stop.
+
+`Session.start()` does every check a user's mistake can fail *before* any process group exists,
+so each process reports a ConfigError (exit 2) without waiting on another.
+"""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .batch import BatchPlan, plan_batches
+from .checkpoint import resolve_resume
+from .config import ConfigError, TrainConfig
+from .coordination import check_launcher_env, deepspeed_config
+from .data import Collator, WindowSampler, eval_dataloader, load_raw_dataset, num_labels, tokenize, train_dataloader
+from .distributed import DistEnv, dist_env
+from .model import load_tokenizer, model_config
+from .optim import total_steps
+
+
+@dataclass
+class Session:
+    cfg: TrainConfig
+    env: DistEnv
+    plan: BatchPlan
+    resume: Path | None
+    tokenizer: object
+    model_config: object
+    data: object
+    sampler: WindowSampler
+    total_steps: int
+    deepspeed: dict | None
+
+    @classmethod
+    def start(cls, cfg: TrainConfig, uses_deepspeed: bool) -> "Session":
+        env = dist_env()
+        if cfg.deepspeed and not uses_deepspeed:
+            raise ConfigError("train_pytorch does not run DeepSpeed; use train_accelerate or "
+                              "train_trainer with --deepspeed, or drop --deepspeed")
+        plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, env.world_size)
+        check_launcher_env(plan)
+        ds_config = deepspeed_config(cfg, plan) if uses_deepspeed else None
+        resume = resolve_resume(cfg)
+        tokenizer = load_tokenizer(cfg)
+        raw = load_raw_dataset(cfg)
+        labels = num_labels(raw) if cfg.task == "sequence_classification" else 2
+        config = model_config(cfg, tokenizer, labels)
+        data = tokenize(raw, tokenizer, cfg)
+        sampler = WindowSampler(len(data["train"]), plan, env.rank, cfg.seed)
+        return cls(cfg, env, plan, resume, tokenizer, config, data, sampler,
+                   total_steps(cfg, sampler.steps_per_epoch), ds_config)
+
+    def banner(self, entry: str, model, step: int) -> str:
+        return (f"{entry}: {self.cfg.task}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+                f"{self.total_steps} optimizer steps ({self.sampler.steps_per_epoch} per epoch)"
+                + (f", resuming after step {step} from {self.resume}" if self.resume else "")
+                + "\n" + self.plan.table(self.cfg.max_seq_len))
+
+    def loaders(self):
+        collator = Collator(self.tokenizer, self.cfg.task)
+        train = train_dataloader(self.data["train"], self.sampler, collator)
+        evaluation = eval_dataloader(self.data["validation"], self.env.rank, self.env.world_size,
+                                     self.cfg.micro_batch_size, collator)
+        return train, evaluation
+
+    def windows(self, loader, step: int) -> Iterator[tuple[int, list[dict], bool]]:
+        """From optimizer step `step` on: (the step it completes, its micro-batches, ends an epoch)."""
+        per_epoch = self.sampler.steps_per_epoch
+        while step < self.total_steps:
+            epoch, first = divmod(step, per_epoch)
+            self.sampler.set_epoch(epoch, first)
+            micro_batches = iter(loader)
+            for s in range(first, min(per_epoch, first + self.total_steps - step)):
+                window = [next(micro_batches) for _ in range(self.sampler.micro_steps(s))]
+                step += 1
+                yield step, window, s == per_epoch - 1 or step == self.total_steps
+
+    def record(self, step: int, values: dict, elapsed_s: float) -> dict:
+        """The metrics.jsonl object of an optimizer step."""
+        return {"step": step, **values, "world_size": self.env.world_size,
+                "grad_accum_steps": self.plan.grad_accum_steps,
+                "global_batch_size": self.plan.global_batch_size, "elapsed_s": round(elapsed_s, 3)}
+
+    def after_step(self, step: int, job_steps: int, ends_epoch: bool, evaluate, checkpoint) -> bool:
+        """Evaluate and checkpoint when due; True when this job must stop here (stop_after_steps)."""
+        cfg = self.cfg
+        if (cfg.eval_every and step % cfg.eval_every == 0) or (cfg.eval_every == 0 and ends_epoch):
+            evaluate()
+        stop = job_steps == cfg.stop_after_steps and step < self.total_steps
+        if stop or (cfg.save_steps and step % cfg.save_steps == 0):
+            checkpoint()
+        return stop

@@ -1,0 +1,145 @@
+"""Seed loop 2: HF Accelerate, `with accelerator.accumulate(model):`.
+
+Launch (from the project root):
+    python -m {{ cookiecutter.project_slug }}.train_accelerate --max_steps 20                      # one process
+    torchrun --nproc_per_node 2 -m {{ cookiecutter.project_slug }}.train_accelerate                # DDP
+    accelerate launch --config_file configs/accelerate/multi_gpu.yaml -m {{ cookiecutter.project_slug }}.train_accelerate
+    ENTRY=accelerate scripts/train_local.sh
+
+Every flag overrides the key of the same name in configs/train.yaml (`--help` lists them).
+
+Accelerate does the accumulation bookkeeping: inside `accumulate()` it skips DDP's all-reduce
+(no_sync) until the window's last micro-step, and the prepared optimizer only steps (and zeroes)
+when `accelerator.sync_gradients` is True. Three library behaviours are corrected on top:
+- the window's length: our windows follow the data (the last one of an epoch may be short), so
+  `accelerator.step` is aligned at each window's start and its last micro-step always syncs;
+- the loss: `accelerator.backward` divides by `gradient_accumulation_steps`; we divide by the real
+  targets of the whole global batch instead, so that factor is multiplied back in;
+- the schedule: a prepared scheduler would step once per process per optimizer step; with
+  `step_scheduler_with_optimizer=False` it steps when we say, once per optimizer step;
+- the world: with DeepSpeed on CPU, Accelerate reports one process on every rank, so the world
+  size and the main process come from the launcher's environment (DistEnv) instead.
+"""
+
+import math
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, GradientAccumulationPlugin
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .checkpoint import read_state, save_checkpoint
+from .config import TrainConfig, run_cli
+from .distributed import GradSyncCounter, all_reduce_sum, init_distributed, print0
+from .evaluation import evaluate
+from .model import build_model, count_targets, summed_loss
+from .optim import build_optimizer, build_scheduler
+from .session import Session
+from .tracking import Tracker
+
+
+def train_step(accelerator: Accelerator, model, window: list[dict], optimizer, lr_scheduler,
+               cfg: TrainConfig, world_size: int) -> dict:
+    """One optimizer step: the seed's accumulate() loop over this rank's micro-batches."""
+    targets = torch.tensor(float(sum(count_targets(b["labels"], cfg.task) for b in window)))
+    num_targets = all_reduce_sum(targets.to(accelerator.device)).clamp(min=1).item()
+    k = accelerator.gradient_accumulation_steps
+    accelerator.step = k - len(window)  # the window's last micro-step is the one that syncs
+    lr = optimizer.param_groups[0]["lr"]  # the lr this step applies (DeepSpeed steps inside backward)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    grad_norm = None
+    for batch in window:
+        batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+        labels = batch.pop("labels")
+        with accelerator.accumulate(model):
+            logits = model(**batch).logits
+            loss = summed_loss(logits, labels, cfg.task)
+            # x k undoes backward()'s (or DeepSpeed's) division by gradient_accumulation_steps;
+            # x world_size undoes the average over ranks: the window then sums to the gradient of
+            # the global batch's mean loss.
+            accelerator.backward(loss * (k * world_size / num_targets))
+            if accelerator.sync_gradients:  # DeepSpeed clips inside its step and reports the norm
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
+            optimizer.step()
+            if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                lr_scheduler.step()
+            optimizer.zero_grad()
+        loss_sum += loss.detach().double().cpu()
+    return {"loss": all_reduce_sum(loss_sum.to(accelerator.device)).item() / num_targets, "lr": lr,
+            "grad_norm": float(grad_norm), "tokens": int(num_targets), "micro_steps": len(window)}
+
+
+def train(cfg: TrainConfig) -> None:
+    session = Session.start(cfg, uses_deepspeed=True)  # every input check, before any waiting
+    env = session.env
+    model = build_model(cfg, session.model_config)
+    optimizer = build_optimizer(model, cfg)
+    lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps)
+
+    on_cpu = env.device.type == "cpu"
+    if on_cpu and session.deepspeed:
+        # DeepSpeed on CPU: Accelerate only starts DeepSpeed off the CPU path, and DeepSpeed's own
+        # CPU backend is oneCCL; a gloo group created first is the one both then use.
+        init_distributed(env)
+    accelerator = Accelerator(
+        cpu=on_cpu and not session.deepspeed,  # without it Accelerate ignores torchrun's ranks on CPU
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=session.plan.grad_accum_steps, sync_with_dataloader=False,
+            sync_each_batch=not cfg.ddp_no_sync),
+        mixed_precision=cfg.mixed_precision,
+        step_scheduler_with_optimizer=False,
+        log_with="wandb" if cfg.report_to == "wandb" else None,
+        kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb)],
+        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=session.deepspeed) if session.deepspeed else None,
+    )
+    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    sync_counter = GradSyncCounter(model) if isinstance(model, DDP) else None
+    start_step = 0
+    if session.resume is not None:
+        accelerator.load_state(str(session.resume))
+        start_step = read_state(session.resume)["step"]
+    print0(session.banner("train_accelerate", model, start_step))
+    train_loader, eval_loader = session.loaders()
+    tracker = Tracker(cfg, env, session.plan, resumed=session.resume is not None, accelerator=accelerator)
+    unwrapped = accelerator.unwrap_model(model)
+
+    def run_eval() -> None:
+        tracker.log({"step": step, **evaluate(unwrapped, eval_loader, cfg.task, accelerator.device,
+                                               accelerator.autocast)})
+
+    def checkpoint() -> None:
+        state = {"step": step, "world_size": env.world_size, "config": cfg.to_dict()}
+        path = save_checkpoint(cfg.output_dir, step, env, lambda folder: accelerator.save_state(str(folder)),
+                               state, cfg.save_total_limit)
+        print0(f"checkpoint: {path}")
+
+    model.train()
+    step, job_steps = start_step, 0
+    for step, window, ends_epoch in session.windows(train_loader, start_step):
+        values = train_step(accelerator, model, window, optimizer, lr_scheduler, cfg, env.world_size)
+        if sync_counter is not None:
+            values["grad_sync_calls"] = sync_counter.take()
+        tracker.log(session.record(step, values, tracker.elapsed()))
+        job_steps += 1
+        if session.after_step(step, job_steps, ends_epoch, run_eval, checkpoint):
+            print0(f"stopping after {job_steps} steps of this job (step {step} of {session.total_steps}); "
+                   "continue with --resume_from_checkpoint auto")
+            tracker.finish()
+            return
+
+    final = Path(cfg.output_dir) / "final_model"
+    unwrapped.save_pretrained(final, is_main_process=env.is_main_process,
+                              save_function=accelerator.save, state_dict=accelerator.get_state_dict(model))
+    if env.is_main_process:
+        session.tokenizer.save_pretrained(final)
+        print0(f"done: {step} steps; metrics in {tracker.path}, model in {final}")
+    tracker.finish()
+
+
+def main() -> None:
+    run_cli(train)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The Accelerate entry point: every launch config loads and launches, DeepSpeed ZeRO-2/3 train
+with the same parameters as DDP, and accumulation settings that disagree with train.yaml are
+refused before any process waits on another."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+
+from conftest import ROOT, SLUG, free_port, max_abs_diff, run_entry
+
+CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
+DEEPSPEED = sorted((ROOT / "configs" / "deepspeed").glob("*.json"))
+ACCUM = {"micro_batch_size": 2, "global_batch_size": 16, "max_steps": 4}
+# SGD moves parameters by exactly lr x gradient: a mis-scaled gradient cannot hide behind Adam.
+SGD = {"optimizer": "sgd", "learning_rate": 0.5, "max_grad_norm": 0, **ACCUM}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_accelerate_config_loads(path):
+    config = load_config_from_file(str(path))
+    assert config.num_processes >= 1
+    if path.stem.startswith("deepspeed_zero"):
+        stage = path.stem[-1]
+        ds_file = ROOT / config.deepspeed_config["deepspeed_config_file"]
+        assert ds_file.name == f"zero{stage}.json" and ds_file.is_file()
+
+
+def accelerate_launch(config: str, nproc: int, env: dict, out, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/{config}.yaml",
+           "--num_processes", str(nproc), "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
+           "-m", f"{SLUG}.train_accelerate", "--report_to", "none", "--output_dir", str(out), *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("config,nproc", [("single", 1), ("multi_gpu", 2), ("deepspeed_zero2", 2)])
+def test_accelerate_launch_runs(config, nproc, env, tmp_path):
+    if (ROOT / "configs" / "accelerate" / f"{config}.yaml").exists() is False:
+        pytest.skip(f"{config}.yaml not generated (deepspeed_stage: none)")
+    proc = accelerate_launch(config, nproc, env, tmp_path / "out", "--max_steps", "2",
+                             "--micro_batch_size", "2", "--global_batch_size", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["world_size"]) for r in steps if "loss" in r] == [(1, nproc), (2, nproc)]
+    assert (tmp_path / "out" / "final_model" / "model.safetensors").is_file()
+
+
+@pytest.mark.skipif(not DEEPSPEED, reason="no DeepSpeed configs generated (deepspeed_stage: none)")
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_trains_like_ddp(runs, stage):
+    ddp = runs("accelerate", 2, **SGD)
+    ds = runs("accelerate", 2, deepspeed=f"configs/deepspeed/{stage}.json", **SGD)
+    assert [r["step"] for r in ds.steps] == [1, 2, 3, 4]  # the engine stepped once per window
+    assert "grad_sync_calls" not in ds.steps[0]  # DeepSpeed, not DDP, reduced the gradients
+    assert ds.steps[-1]["loss"] < ds.steps[0]["loss"]
+    for a, b in zip(ddp.steps, ds.steps, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    diff = max_abs_diff(ddp.params(), ds.params())
+    print(f"DeepSpeed {stage} vs DDP: max |param diff| = {diff:.3g}")
+    assert diff <= 1e-5
+
+
+def test_deepspeed_partial_window_and_accumulation_boundary(runs, tmp_path):
+    # 2 processes, micro 4, global 24: accumulation 3 and a 6-step epoch ending in a short window
+    flags = {**SGD, "micro_batch_size": 4, "global_batch_size": 24, "max_steps": 34}
+    if not DEEPSPEED:
+        pytest.skip("no DeepSpeed configs generated")
+    ddp = runs("accelerate", 2, **flags)
+    ds = runs("accelerate", 2, deepspeed="configs/deepspeed/zero2.json", **flags)
+    assert [r["micro_steps"] for r in ds.steps] == [r["micro_steps"] for r in ddp.steps]
+    assert min(r["micro_steps"] for r in ds.steps) < 3  # a short window happened
+    assert max_abs_diff(ddp.params(), ds.params()) <= 1e-5
+
+
+def mismatch_json(tmp_path, **keys):
+    config = json.loads((ROOT / "configs" / "deepspeed" / "zero2.json").read_text()) if DEEPSPEED else {}
+    config.update(keys)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("key,value", [("gradient_accumulation_steps", 8), ("train_batch_size", 32),
+                                       ("train_micro_batch_size_per_gpu", 4)])
+def test_deepspeed_json_that_disagrees_is_refused(env, tmp_path, key, value):
+    path = mismatch_json(tmp_path, **{key: value})
+    run = run_entry("accelerate", 2, tmp_path / "out", env, {**ACCUM, "deepspeed": path})
+    assert run.returncode == 1  # torchrun: workers exited with 2
+    expected = {"gradient_accumulation_steps": 4, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}[key]
+    line = f"error: DeepSpeed config {path} sets {key} {value!r} but this run derives {expected}"
+    assert sum(entry.startswith(line) for entry in run.stderr.splitlines()) == 2, run.stderr[-2000:]
+    assert "exitcode  : 2" in run.stderr
+
+
+def test_accelerate_yaml_that_disagrees_is_refused(env, tmp_path):
+    yaml_path = tmp_path / "acc.yaml"
+    yaml_path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
+                         "deepspeed_config:\n  gradient_accumulation_steps: 8\n  zero_stage: 2\n"
+                         "machine_rank: 0\nnum_machines: 1\nnum_processes: 2\nuse_cpu: false\n")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_path),
+           "--main_process_port", str(free_port()), "-m", f"{SLUG}.train_accelerate", "--report_to", "none",
+           "--output_dir", str(tmp_path / "out"), "--micro_batch_size", "2", "--global_batch_size", "16"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    line = ("error: the accelerate config sets gradient_accumulation_steps 8, but global_batch_size 16 / "
+            "(micro_batch_size 2 x world_size 2) gives 4")
+    assert sum(entry.startswith(line) for entry in (proc.stdout + proc.stderr).splitlines()) == 2, proc.stderr[-2000:]
