@@ -30,7 +30,7 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
         *(f"{pkg}/assets/data/{t}/{s}.jsonl" for t in TASKS for s in ("train", "validation")),
         f"{pkg}/assets/tokenizer/tokenizer.json", f"{pkg}/assets/tokenizer/tokenizer_config.json",
         *(f"tests/{m}.py" for m in ("conftest", "test_cli", "test_config", "test_data", "test_parity",
-                                    "test_scripts")),
+                                    "test_scripts", "test_wandb")),
     }
     for entry in entries:
         files |= {f"{pkg}/train_{entry}.py", f"tests/test_{entry}.py"}

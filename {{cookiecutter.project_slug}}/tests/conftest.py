@@ -125,6 +125,18 @@ def runs(tmp_path_factory) -> RunCache:
     return RunCache(tmp_path_factory.mktemp("runs"))
 
 
+@pytest.fixture(scope="session")
+def small_dataset(tmp_path_factory) -> Path:
+    """The first 37 training and 11 validation examples of the task's data, so that windows of 16
+    or 24 examples leave a short last window in every epoch."""
+    folder = tmp_path_factory.mktemp("small")
+    source = ROOT / "src" / SLUG / "assets" / "data" / TASK
+    for split, n in (("train", 37), ("validation", 11)):
+        rows = (source / f"{split}.jsonl").read_text().splitlines()[:n]
+        (folder / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
+    return folder
+
+
 @pytest.fixture
 def env(tmp_path) -> dict:
     return offline_env(tmp_path)

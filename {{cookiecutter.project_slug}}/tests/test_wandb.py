@@ -1,0 +1,88 @@
+"""Weights & Biases from every entry point, read back from the offline run file: rank 0 only,
+one row per optimizer step at W&B step = optimizer step, the same keys everywhere, the whole
+config recorded, offline when no API key is set."""
+
+import json
+import struct
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from wandb.proto import wandb_internal_pb2
+
+from {{ cookiecutter.project_slug }}.config import TrainConfig
+
+from conftest import ENTRIES, TASK, run_entry
+
+TRAIN_KEYS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/grad_sync_calls"}
+EVAL_KEYS = {"causal_lm": {"eval/loss", "eval/perplexity"},
+             "sequence_classification": {"eval/loss", "eval/accuracy", "eval/f1"}}
+
+
+def wandb_records(path: Path) -> list:
+    """The protobuf records of a .wandb file (W&B's LevelDB-style log: a 7-byte file header, then
+    32 KiB blocks of chunks, each with a 7-byte header: crc32, length, type full/first/middle/last)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, pending, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # full, or last chunk of a record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def history(records) -> dict[int, dict]:
+    rows: dict[int, dict] = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+            rows.setdefault(record.history.step.num, {}).update(items)
+    return rows
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_offline_wandb_run(entry, env, tmp_path):
+    wandb_dir = tmp_path / "wandb_dir"
+    wandb_dir.mkdir()
+    # No WANDB_MODE and no API key anywhere (HOME has no .netrc): the run goes offline by itself.
+    env = {k: v for k, v in env.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
+    env.update(WANDB_DIR=str(wandb_dir), HOME=str(tmp_path))
+    flags = {"report_to": "wandb", "micro_batch_size": 2, "global_batch_size": 16, "max_steps": 3}
+    run = run_entry(entry, 2, tmp_path / "out", env, flags)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "wandb sync" in run.stdout
+    (run_file,) = wandb_dir.rglob("*.wandb")  # one run: rank 0 only
+    assert run_file.parent.name.startswith("offline-run-")
+    records = wandb_records(run_file)
+
+    (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run_record.display_name == "1x2-acc4-mb2"
+    # the config arrives with the run (wandb.init) or in config records (Accelerate's tracker)
+    updates = [*run_record.config.update,
+               *(i for r in records if r.WhichOneof("record_type") == "config" for i in r.config.update)]
+    config = {i.key: json.loads(i.value_json) for i in updates}
+    assert {f.name for f in fields(TrainConfig)} <= set(config)
+    assert (config["world_size"], config["grad_accum_steps"], config["global_batch_size"]) == (2, 4, 16)
+    assert "slurm_job_id" in config
+
+    rows = history(records)
+    steps = {step: row for step, row in rows.items() if "train/loss" in row}
+    assert sorted(steps) == [1, 2, 3]  # the W&B step is the optimizer step, one row each
+    for step, row in steps.items():
+        assert TRAIN_KEYS <= set(row), (entry, step, sorted(row))
+        assert {k for k in row if k.startswith("train/")} == TRAIN_KEYS
+        logged = run.steps[step - 1]
+        assert (row["train/loss"], row["train/lr"], row["train/grad_sync_calls"]) == (
+            logged["loss"], logged["lr"], logged["grad_sync_calls"])
+    evals = {step: row for step, row in rows.items() if "eval/loss" in row}
+    assert sorted(evals) == [3]
+    assert {k for k in evals[3] if k.startswith("eval/")} == EVAL_KEYS[TASK]
