@@ -15,7 +15,7 @@ CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 DEEPSPEED = sorted((ROOT / "configs" / "deepspeed").glob("*.json"))
 ACCUM = {"micro_batch_size": 2, "global_batch_size": 16, "max_steps": 4}
 # SGD moves parameters by exactly lr x gradient: a mis-scaled gradient cannot hide behind Adam.
-SGD = {"optimizer": "sgd", "learning_rate": 0.5, "max_grad_norm": 0, **ACCUM}
+SGD = {"optimizer": "sgd", "learning_rate": 0.1, "max_grad_norm": 0, **ACCUM}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

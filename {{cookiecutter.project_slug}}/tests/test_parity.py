@@ -106,7 +106,7 @@ def test_ddp_syncs_gradients_once_per_optimizer_step(runs, entry):
 def test_partial_final_window_steps_and_matches_big_batch(runs, entry, small_dataset):
     # Plain SGD: parameters move by exactly lr x gradient, so a mis-scaled window shows (Adam
     # divides by sqrt(v) and turns float noise in near-zero gradients into update noise).
-    flags = {"dataset": small_dataset, "num_epochs": 2, "optimizer": "sgd", "learning_rate": 0.5}
+    flags = {"dataset": small_dataset, "num_epochs": 2, "optimizer": "sgd", "learning_rate": 0.1}
     accum = runs(entry, 2, micro_batch_size=2, global_batch_size=16, **flags)
     big = runs(entry, 1, micro_batch_size=16, global_batch_size=16, **flags)
     # 3 optimizer steps per epoch: 16 + 16 + 5 examples; the last window's 5 split 3 + 2, so one

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT, SLUG, free_port, max_abs_diff
 
-SGD = {"optimizer": "sgd", "learning_rate": 0.5, "max_grad_norm": 0,
+SGD = {"optimizer": "sgd", "learning_rate": 0.1, "max_grad_norm": 0,
        "micro_batch_size": 2, "global_batch_size": 16, "max_steps": 4}
 
 

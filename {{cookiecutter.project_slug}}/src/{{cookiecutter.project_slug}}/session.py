@@ -14,7 +14,7 @@ from .checkpoint import resolve_resume
 from .config import ConfigError, TrainConfig
 from .coordination import check_launcher_env, deepspeed_config
 from .data import Collator, WindowSampler, eval_dataloader, load_raw_dataset, num_labels, tokenize, train_dataloader
-from .distributed import DistEnv, dist_env
+from .distributed import DistEnv, dist_env, print0
 from .model import load_tokenizer, model_config
 from .optim import total_steps
 
@@ -31,6 +31,7 @@ class Session:
     sampler: WindowSampler
     total_steps: int
     deepspeed: dict | None
+    job_steps: int = 0  # optimizer steps taken by this job (a resumed job starts again at 0)
 
     @classmethod
     def start(cls, cfg: TrainConfig, uses_deepspeed: bool) -> "Session":
@@ -82,12 +83,25 @@ class Session:
                 "grad_accum_steps": self.plan.grad_accum_steps,
                 "global_batch_size": self.plan.global_batch_size, "elapsed_s": round(elapsed_s, 3)}
 
-    def after_step(self, step: int, job_steps: int, ends_epoch: bool, evaluate, checkpoint) -> bool:
-        """Evaluate and checkpoint when due; True when this job must stop here (stop_after_steps)."""
+    def stopping(self, step: int) -> str:
+        return (f"stopping after {self.job_steps} steps of this job (step {step} of {self.total_steps}); "
+                "continue with --resume_from_checkpoint auto")
+
+    def end_step(self, step: int, values: dict, tracker, sync_counter, ends_epoch: bool,
+                 evaluate, checkpoint) -> bool:
+        """Record optimizer step `step`, evaluate and checkpoint when due; True when this job must
+        stop here (stop_after_steps), with its checkpoint written."""
         cfg = self.cfg
+        if sync_counter is not None:
+            values["grad_sync_calls"] = sync_counter.take()
+        tracker.log(self.record(step, values, tracker.elapsed()))
+        self.job_steps += 1
         if (cfg.eval_every and step % cfg.eval_every == 0) or (cfg.eval_every == 0 and ends_epoch):
             evaluate()
-        stop = job_steps == cfg.stop_after_steps and step < self.total_steps
+        stop = self.job_steps == cfg.stop_after_steps and step < self.total_steps
         if stop or (cfg.save_steps and step % cfg.save_steps == 0):
             checkpoint()
+        if stop:
+            print0(self.stopping(step))
+            tracker.finish()
         return stop

@@ -112,17 +112,10 @@ def train(cfg: TrainConfig) -> None:
         print0(f"checkpoint: {save_checkpoint(cfg.output_dir, step, env, write, state, cfg.save_total_limit)}")
 
     model.train()
-    step, job_steps = start_step, 0
+    step = start_step
     for step, window, ends_epoch in session.windows(train_loader, start_step):
         values = train_step(ddp_model, window, optimizer, lr_scheduler, scaler, cfg, env, autocast)
-        if sync_counter is not None:
-            values["grad_sync_calls"] = sync_counter.take()
-        tracker.log(session.record(step, values, tracker.elapsed()))
-        job_steps += 1
-        if session.after_step(step, job_steps, ends_epoch, run_eval, checkpoint):
-            print0(f"stopping after {job_steps} steps of this job (step {step} of {session.total_steps}); "
-                   "continue with --resume_from_checkpoint auto")
-            tracker.finish()
+        if session.end_step(step, values, tracker, sync_counter, ends_epoch, run_eval, checkpoint):
             return
 
     if env.is_main_process:

@@ -107,7 +107,7 @@ class RunRecorder(TrainerCallback):
         self.session, self.tracker = session, tracker
         self.loss_sum = torch.zeros((), dtype=torch.float64)
         self.micro_steps, self.num_targets, self.lr, self.sync_counter = 0, 0, None, None
-        self.job_steps, self.stopped = 0, False
+        self.stopped = False
         self.trainer = None
 
     def compute_loss(self, outputs, labels, num_items_in_batch=None):
@@ -132,9 +132,9 @@ class RunRecorder(TrainerCallback):
         self.session.sampler.set_epoch(state.global_step // self.session.sampler.steps_per_epoch)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.job_steps += 1
+        self.session.job_steps += 1
         cfg = self.session.cfg
-        if self.job_steps == cfg.stop_after_steps and state.global_step < self.session.total_steps:
+        if self.session.job_steps == cfg.stop_after_steps and state.global_step < self.session.total_steps:
             control.should_save = control.should_training_stop = True
             self.stopped = True
 
@@ -218,8 +218,7 @@ def train(cfg: TrainConfig) -> None:
     recorder.trainer = trainer
     trainer.train(resume_from_checkpoint=str(session.resume) if session.resume else None)
     if recorder.stopped:
-        print0(f"stopping after {recorder.job_steps} steps of this job (step {trainer.state.global_step} of "
-               f"{session.total_steps}); continue with --resume_from_checkpoint auto")
+        print0(session.stopping(trainer.state.global_step))
         tracker.finish()
         return
     final = Path(cfg.output_dir) / "final_model"
