@@ -4,8 +4,6 @@ Weight decay applies to matrices (embeddings, linear weights) and not to biases 
 for every optimizer. The schedule is stepped once per optimizer step, never per micro-step.
 """
 
-import math
-
 import torch
 from transformers import get_scheduler
 from transformers.optimization import Adafactor
@@ -36,10 +34,6 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
 def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     """Optimizer steps of the whole run: max_steps, or num_epochs epochs when it is -1."""
     return cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * steps_per_epoch
-
-
-def num_epochs(cfg: TrainConfig, steps_per_epoch: int) -> int:
-    return math.ceil(total_steps(cfg, steps_per_epoch) / steps_per_epoch)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps: int):
