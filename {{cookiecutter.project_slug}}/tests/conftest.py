@@ -142,6 +142,15 @@ def env(tmp_path) -> dict:
     return offline_env(tmp_path)
 
 
+def worker_error_lines(output: str, expected: str) -> list[str]:
+    """The `error:` lines 2 workers printed under a launcher. Each worker that reaches the check
+    prints its line and exits 2; the launcher then stops the others, so a worker still starting up
+    may be stopped before it prints: one or two lines, each the expected one."""
+    lines = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert 1 <= len(lines) <= 2 and all(line.startswith(expected) for line in lines), output[-3000:]
+    return lines
+
+
 def max_abs_diff(a: dict, b: dict) -> float:
     """Largest parameter difference. A DeepSpeed-gathered save also writes the tied lm_head copy
     of the embeddings; it must then equal the embeddings."""

@@ -12,7 +12,7 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoTokenizer
 
-from conftest import ENTRIES, ROOT, SLUG, TASK, free_port, max_abs_diff, run_entry
+from conftest import ENTRIES, ROOT, SLUG, TASK, free_port, max_abs_diff, run_entry, worker_error_lines
 
 TOL = 1e-5
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "micro_steps", "grad_sync_calls",
@@ -184,7 +184,8 @@ def test_stop_and_resume_is_exact(runs, entry, tmp_path):
     if entry == ENTRIES[0]:  # the refusal is Session.start's, shared by every entry point
         again = run_entry(entry, 2, out, runs.env, ACCUM)
         assert again.returncode == 1  # torchrun's code for workers that exited with 2
-        assert again.stderr.count("already holds checkpoints (step_4); pass --resume_from_checkpoint auto") == 2
+        worker_error_lines(again.stderr, f"error: output_dir {out} already holds checkpoints (step_4); pass "
+                                         "--resume_from_checkpoint auto to continue")
 
     second = run_entry(entry, 2, out, runs.env, {**ACCUM, "resume_from_checkpoint": "auto"})
     assert second.returncode == 0, second.stderr[-3000:]
