@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError, TrainConfig
-from .distributed import DistEnv, barrier
+from .distributed import DistEnv, barrier, print0
 
 STATE_FILE = "state.json"
 
@@ -80,30 +80,31 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(output_dir: str, step: int, env: DistEnv, write: Callable[[Path], None],
-                    state: dict, keep: int) -> Path:
+def save_checkpoint(cfg: TrainConfig, step: int, env: DistEnv, write: Callable[[Path], None]) -> Path:
     """Run `write(folder)` on every process into a temporary folder, then publish it."""
-    tmp = checkpoints_dir(output_dir) / f".tmp_step_{step}"
+    tmp = checkpoints_dir(cfg.output_dir) / f".tmp_step_{step}"
     if env.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
     write(tmp)
-    return publish_checkpoint(output_dir, step, env, tmp, state, keep)
+    return publish_checkpoint(cfg, step, env, tmp)
 
 
-def publish_checkpoint(output_dir: str, step: int, env: DistEnv, written: Path, state: dict, keep: int) -> Path:
-    """Once every process has finished writing `written`: mark it complete (state.json), rename it
-    to step_<step> and drop all but the newest `keep` checkpoints."""
-    final = checkpoints_dir(output_dir) / f"step_{step}"
+def publish_checkpoint(cfg: TrainConfig, step: int, env: DistEnv, written: Path) -> Path:
+    """Once every process has finished writing `written`: mark it complete (state.json: the step,
+    the world size and the config), rename it to step_<step> and keep the newest save_total_limit."""
+    final = checkpoints_dir(cfg.output_dir) / f"step_{step}"
     barrier()
     if env.is_main_process:
+        state = {"step": step, "world_size": env.world_size, "config": cfg.to_dict()}
         (written / STATE_FILE).write_text(json.dumps(state, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         written.rename(final)
-        if keep:
-            for old in complete_checkpoints(output_dir)[:-keep]:
+        if cfg.save_total_limit:
+            for old in complete_checkpoints(cfg.output_dir)[:-cfg.save_total_limit]:
                 shutil.rmtree(old)
+        print0(f"checkpoint: {final}")
     barrier()
     return final
 

@@ -109,10 +109,7 @@ def train(cfg: TrainConfig) -> None:
                                                accelerator.autocast)})
 
     def checkpoint() -> None:
-        state = {"step": step, "world_size": env.world_size, "config": cfg.to_dict()}
-        path = save_checkpoint(cfg.output_dir, step, env, lambda folder: accelerator.save_state(str(folder)),
-                               state, cfg.save_total_limit)
-        print0(f"checkpoint: {path}")
+        save_checkpoint(cfg, step, env, lambda folder: accelerator.save_state(str(folder)))
 
     model.train()
     step = start_step

@@ -108,8 +108,7 @@ def train(cfg: TrainConfig) -> None:
                 torch.save({"optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
                             "scaler": scaler.state_dict()}, folder / "training_state.pt")
 
-        state = {"step": step, "world_size": env.world_size, "config": cfg.to_dict()}
-        print0(f"checkpoint: {save_checkpoint(cfg.output_dir, step, env, write, state, cfg.save_total_limit)}")
+        save_checkpoint(cfg, step, env, write)
 
     model.train()
     step = start_step

@@ -145,9 +145,7 @@ class RunRecorder(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         step, cfg = state.global_step, self.session.cfg
         written = checkpoints_dir(cfg.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
-        state_json = {"step": step, "world_size": self.session.env.world_size, "config": cfg.to_dict()}
-        path = publish_checkpoint(cfg.output_dir, step, self.session.env, written, state_json, cfg.save_total_limit)
-        print0(f"checkpoint: {path}")
+        publish_checkpoint(cfg, step, self.session.env, written)
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         self.lr = optimizer.param_groups[0]["lr"]  # the lr this step applies
