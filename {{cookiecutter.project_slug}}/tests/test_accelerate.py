@@ -9,7 +9,7 @@ import sys
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import ROOT, SLUG, free_port, max_abs_diff, run_entry, worker_error_lines
+from conftest import ROOT, SLUG, free_port, max_abs_diff, report, run_entry, worker_error_lines
 
 CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 DEEPSPEED = sorted((ROOT / "configs" / "deepspeed").glob("*.json"))
@@ -59,7 +59,7 @@ def test_deepspeed_trains_like_ddp(runs, stage):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     diff = max_abs_diff(ddp.params(), ds.params())
-    print(f"DeepSpeed {stage} vs DDP: max |param diff| = {diff:.3g}")
+    report(f"DeepSpeed {stage} vs DDP (accelerate, 2x4, SGD): max |param diff| {diff:.3g}")
     assert diff <= 1e-5
 
 
@@ -74,7 +74,7 @@ def test_deepspeed_boundary_follows_short_windows(runs, small_dataset):
     assert [r["micro_steps"] for r in ds.steps] == [r["micro_steps"] for r in ddp.steps] == [3, 2, 3, 2]
     assert [r["tokens"] for r in ds.steps] == [r["tokens"] for r in ddp.steps]
     diff = max_abs_diff(ddp.params(), ds.params())
-    print(f"DeepSpeed zero2 vs DDP with short windows: max |param diff| = {diff:.3g}")
+    report(f"DeepSpeed zero2 vs DDP with short windows (accelerate): max |param diff| {diff:.3g}")
     assert diff <= 1e-5
 
 

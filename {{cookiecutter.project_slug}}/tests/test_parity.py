@@ -1,6 +1,13 @@
-"""Every generated entry point, run for real with 2 gloo processes: accumulation is exact, DDP
-syncs once per optimizer step, the last partial window is scaled right, the entry points agree
-with each other, the record is as promised, and a stopped job resumes exactly."""
+"""The parity matrix: every generated entry point, run for real, trains the same whatever the
+number of processes and micro-batches, and the entry points agree with each other.
+
+Cells (processes x accumulation) 1x1, 1x4, 2x1 and 2x4 at the same global batch of 16, same seed,
+data order, optimizer (AdamW) and schedule (warmup + cosine): each cell matches its entry's 1x1
+reference, the entries match each other in every cell, the learning rate of every step is the same
+everywhere, DDP syncs once per bucket per optimizer step, a short last window is scaled right, and
+a stopped job resumes exactly. Tolerances: conftest.TOLERANCES; measured numbers: the "measured"
+section at the end of the pytest output.
+"""
 
 import json
 import math
@@ -12,49 +19,88 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoTokenizer
 
-from conftest import ENTRIES, ROOT, SLUG, TASK, free_port, max_abs_diff, run_entry, worker_error_lines
+from conftest import (
+    ENTRIES,
+    GPUS,
+    MIXED_PRECISION,
+    ROOT,
+    SLUG,
+    TASK,
+    TOL,
+    free_port,
+    max_abs_diff,
+    report,
+    run_entry,
+    worker_error_lines,
+)
 
-TOL = 1e-5
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "micro_steps", "grad_sync_calls",
              "world_size", "grad_accum_steps", "global_batch_size", "elapsed_s"}
 EVAL_KEYS = {"causal_lm": {"step", "eval_loss", "eval_perplexity"},
              "sequence_classification": {"step", "eval_loss", "eval_accuracy", "eval_f1"}}
-# 8 optimizer steps with 2 of warmup and a cosine decay: the schedule shows in every logged lr
-SCHEDULE = {"max_steps": 8, "warmup_steps": 2, "lr_scheduler_type": "cosine"}
-# 0.05 MiB DDP buckets: the tiny model then has several, so sync counts mean something
-ACCUM = {"micro_batch_size": 2, "global_batch_size": 16, "ddp_bucket_cap_mb": 0.05, **SCHEDULE}  # accumulation 4
-BIG = {"micro_batch_size": 16, "global_batch_size": 16, **SCHEDULE}   # 1 proc: no accumulation
+GLOBAL_BATCH = 16
+CELLS = [(1, 1), (1, 4), (2, 1), (2, 4)]  # (processes, grad_accum_steps)
+# 8 optimizer steps with 2 of warmup and a cosine decay: the schedule shows in every logged lr.
+# 0.05 MiB DDP buckets: the tiny model then has several, so sync counts mean something.
+MATRIX = {"global_batch_size": GLOBAL_BATCH, "max_steps": 8, "warmup_steps": 2, "lr_scheduler_type": "cosine",
+          "ddp_bucket_cap_mb": 0.05}
+ACCUM = {"micro_batch_size": 2, **MATRIX}  # the 2x4 cell
 
 
+def cell(runs, entry: str, nproc: int, accum: int, **flags):
+    return runs(entry, nproc, micro_batch_size=GLOBAL_BATCH // (nproc * accum), **MATRIX, **flags)
+
+
+def cell_id(shape: tuple[int, int]) -> str:
+    return f"{shape[0]}x{shape[1]}"
+
+
+def max_loss_diff(a, b) -> float:
+    assert [r["step"] for r in a.steps] == [r["step"] for r in b.steps]
+    return max(abs(x["loss"] - y["loss"]) for x, y in zip(a.steps, b.steps, strict=True))
+
+
+@pytest.mark.parametrize("shape", CELLS[1:], ids=cell_id)
 @pytest.mark.parametrize("entry", ENTRIES)
-def test_accumulation_on_two_processes_equals_one_big_batch(runs, entry):
-    accum = runs(entry, 2, **ACCUM)
-    big = runs(entry, 1, **BIG)
-    assert {r["grad_accum_steps"] for r in accum.steps} == {4}
-    assert {r["grad_accum_steps"] for r in big.steps} == {1}
-    assert [r["tokens"] for r in accum.steps] == [r["tokens"] for r in big.steps]
-    for a, b in zip(accum.steps, big.steps, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], abs=TOL)
-        assert a["lr"] == b["lr"]  # one scheduler step per optimizer step, whatever the world size
-    assert accum.steps[-1]["loss"] < accum.steps[1]["loss"] - 0.01  # it trained (step 1 has lr 0)
-    diff = max_abs_diff(accum.params(), big.params())
-    print(f"{entry} {TASK}: max |param(2 procs x accum 4) - param(1 proc, batch 16)| = {diff:.3g}")
-    assert diff <= TOL
+def test_cell_matches_single_process_reference(runs, entry, shape):
+    nproc, accum = shape
+    run, reference = cell(runs, entry, *shape), cell(runs, entry, 1, 1)
+    shapes = [(r["world_size"], r["grad_accum_steps"], r["micro_steps"]) for r in run.steps]
+    assert shapes == [(nproc, accum, accum)] * 8
+    assert [r["tokens"] for r in run.steps] == [r["tokens"] for r in reference.steps]
+    assert run.steps[-1]["loss"] < run.steps[1]["loss"] - 0.01  # it trained (step 1 has lr 0)
+    param_diff, loss_diff = max_abs_diff(run.params(), reference.params()), max_loss_diff(run, reference)
+    report(f"parity {TASK} {MIXED_PRECISION} {entry} {cell_id(shape)} vs 1x1: "
+           f"max |param diff| {param_diff:.3g}, max |loss diff| {loss_diff:.3g}")
+    assert loss_diff <= TOL.loss
+    assert param_diff <= TOL.param
 
 
 @pytest.mark.skipif(len(ENTRIES) < 2, reason="one entry point generated")
-def test_entry_points_agree(runs):
-    reference = runs(ENTRIES[0], 2, **ACCUM)
+@pytest.mark.parametrize("shape", CELLS, ids=cell_id)
+def test_entry_points_agree(runs, shape):
+    reference = cell(runs, ENTRIES[0], *shape)
     for entry in ENTRIES[1:]:
-        other = runs(entry, 2, **ACCUM)
+        other = cell(runs, entry, *shape)
         for a, b in zip(reference.steps, other.steps, strict=True):
-            assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
             assert (a["lr"], a["tokens"], a["micro_steps"]) == (b["lr"], b["tokens"], b["micro_steps"])
-            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
-        assert reference.evals[0]["eval_loss"] == pytest.approx(other.evals[0]["eval_loss"], abs=1e-5)
-        diff = max_abs_diff(reference.params(), other.params())
-        print(f"{ENTRIES[0]} vs {entry}: max |param diff| = {diff:.3g}")
-        assert diff <= TOL
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=max(1e-5, TOL.loss))
+        assert reference.evals[0]["eval_loss"] == pytest.approx(other.evals[0]["eval_loss"], abs=TOL.loss)
+        param_diff, loss_diff = max_abs_diff(reference.params(), other.params()), max_loss_diff(reference, other)
+        report(f"parity {TASK} {MIXED_PRECISION} {ENTRIES[0]} vs {entry} at {cell_id(shape)}: "
+               f"max |param diff| {param_diff:.3g}, max |loss diff| {loss_diff:.3g}")
+        assert loss_diff <= TOL.loss
+        assert param_diff <= TOL.param
+
+
+def test_learning_rate_is_the_same_for_every_entry_and_cell(runs):
+    # the lr applied at step s is the schedule's value after s - 1 scheduler steps: linear warmup
+    # over 2 steps, then a cosine from the peak (train.yaml's learning_rate) to 0 at step 8
+    peak = yaml.safe_load((ROOT / "configs" / "train.yaml").read_text())["learning_rate"]
+    expected = [peak * n / 2 if n < 2 else peak * 0.5 * (1 + math.cos(math.pi * (n - 2) / 6)) for n in range(8)]
+    lrs = {(entry, c): [r["lr"] for r in cell(runs, entry, *c).steps] for entry in ENTRIES for c in CELLS}
+    assert len({tuple(lr) for lr in lrs.values()}) == 1, lrs  # bitwise the same everywhere
+    assert lrs[ENTRIES[0], (1, 1)] == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 
 def ddp_bucket_counts(bucket_cap_mb: float, env: dict) -> tuple[int, int]:
@@ -91,15 +137,15 @@ def test_ddp_syncs_gradients_once_per_optimizer_step(runs, entry):
     synced = runs(entry, 2, **ACCUM)
     unsynced = runs(entry, 2, ddp_no_sync="false", **ACCUM)
     calls = [r["grad_sync_calls"] for r in synced.steps]
-    print(f"{entry}: buckets {first} then {later}; grad_sync_calls with no_sync {calls}, "
-          f"without {[r['grad_sync_calls'] for r in unsynced.steps]}")
+    report(f"sync {entry}: buckets {first} then {later}; grad_sync_calls per step with no_sync {calls}, "
+           f"without {[r['grad_sync_calls'] for r in unsynced.steps]}")
     # Step 1 syncs once, through DDP's initial buckets; afterwards once per rebuilt bucket.
     assert calls == [first] + [later] * (len(calls) - 1)
     k = synced.steps[0]["micro_steps"]
     assert k == 4
     assert [r["grad_sync_calls"] for r in unsynced.steps[1:]] == [k * later] * (len(calls) - 1)
     # Skipping the all-reduce on non-boundary micro-steps changes nothing in the result.
-    assert max_abs_diff(synced.params(), unsynced.params()) <= 1e-6
+    assert max_abs_diff(synced.params(), unsynced.params()) <= TOL.param
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
@@ -116,16 +162,19 @@ def test_partial_final_window_steps_and_matches_big_batch(runs, entry, small_dat
     assert [r["tokens"] for r in accum.steps] == [r["tokens"] for r in big.steps]
     if TASK == "sequence_classification":
         assert [r["tokens"] for r in accum.steps] == [16, 16, 5] * 2
+    # the gradient of every step, the short ones included, is the big batch's: SGD moves the
+    # parameters by lr x gradient, so equal parameters after each epoch's short step say so too
     for a, b in zip(accum.steps, big.steps, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], abs=TOL)
+        assert a["loss"] == pytest.approx(b["loss"], abs=TOL.loss)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=max(1e-5, TOL.loss))
     diff = max_abs_diff(accum.params(), big.params())
-    print(f"{entry} partial windows: max |param diff| = {diff:.3g}")
-    assert diff <= TOL
+    report(f"parity {TASK} {MIXED_PRECISION} {entry} short last windows, 2x4 vs 1x1 (SGD): max |param diff| {diff:.3g}")
+    assert diff <= TOL.param
     # exactly one evaluation per epoch, each of the 11 validation examples counted once
     assert [e["step"] for e in accum.evals] == [3, 6]
     for a, b in zip(accum.evals, big.evals, strict=True):
         assert set(a) == EVAL_KEYS[TASK]
-        assert a["eval_loss"] == pytest.approx(b["eval_loss"], abs=TOL)
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], abs=TOL.loss)
         if TASK == "sequence_classification":
             assert a["eval_accuracy"] == b["eval_accuracy"]
             assert round(a["eval_accuracy"] * 11, 6).is_integer()
@@ -138,11 +187,6 @@ def test_metrics_jsonl_and_final_model(runs, entry):
     for record in run.steps:
         assert set(record) == STEP_KEYS
         assert (record["world_size"], record["global_batch_size"], record["micro_steps"]) == (2, 16, 4)
-    # the lr applied at step s is the schedule's value after s - 1 scheduler steps: linear warmup
-    # over 2 steps, then a cosine from the peak (train.yaml's learning_rate) to 0 at step 8
-    peak = yaml.safe_load((ROOT / "configs" / "train.yaml").read_text())["learning_rate"]
-    expected = [peak * n / 2 if n < 2 else peak * 0.5 * (1 + math.cos(math.pi * (n - 2) / 6)) for n in range(8)]
-    assert [r["lr"] for r in run.steps] == pytest.approx(expected, rel=1e-12, abs=1e-15)
     # one evaluation, at the end of the (partial) epoch, none extra
     assert [e["step"] for e in run.evals] == [8]
     assert set(run.evals[0]) == EVAL_KEYS[TASK]
@@ -159,7 +203,7 @@ def test_each_step_consumes_its_window_of_the_epoch_permutation(runs):
     from {{ cookiecutter.project_slug }}.data import WindowSampler, load_raw_dataset, tokenize
     from {{ cookiecutter.project_slug }}.model import load_tokenizer
 
-    run = runs(ENTRIES[0], 2, task="causal_lm", **ACCUM)
+    run = runs(ENTRIES[0], 2, **ACCUM, **({} if TASK == "causal_lm" else {"task": "causal_lm"}))
     cfg = load_config(["--config", str(ROOT / "configs" / "train.yaml"), "--max_seq_len", "48",
                        "--task", "causal_lm"])
     train = tokenize(load_raw_dataset(cfg), load_tokenizer(cfg), cfg)["train"]
@@ -190,16 +234,22 @@ def test_stop_and_resume_is_exact(runs, entry, tmp_path):
     second = run_entry(entry, 2, out, runs.env, {**ACCUM, "resume_from_checkpoint": "auto"})
     assert second.returncode == 0, second.stderr[-3000:]
     assert [r["step"] for r in second.steps] == list(range(1, 9))
-    assert [r["loss"] for r in second.steps] == [r["loss"] for r in straight.steps]
     assert [e["step"] for e in second.evals] == [8]
-    assert max_abs_diff(second.params(), straight.params()) == 0.0
+    if GPUS:  # GPU kernels (atomic adds) are not bitwise reproducible run to run
+        assert max_loss_diff(second, straight) <= TOL.loss
+        assert max_abs_diff(second.params(), straight.params()) <= TOL.param
+    else:
+        assert [r["loss"] for r in second.steps] == [r["loss"] for r in straight.steps]
+        assert max_abs_diff(second.params(), straight.params()) == 0.0
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_default_run_learns(runs, entry):
     run = runs(entry, 2)
     first, last = run.evals[0], run.evals[-1]
-    print(f"{entry} {TASK} default run, per epoch:", [round(e["eval_loss"], 4) for e in run.evals])
+    accuracy = [e.get("eval_accuracy") for e in run.evals]
+    report(f"default run {TASK} {entry}: eval_loss per epoch {[round(e['eval_loss'], 4) for e in run.evals]}"
+           + (f", eval_accuracy {accuracy}" if TASK == "sequence_classification" else ""))
     assert len(run.evals) == 3  # num_epochs: 3, one evaluation each
     assert last["eval_loss"] < first["eval_loss"]
     if TASK == "sequence_classification":

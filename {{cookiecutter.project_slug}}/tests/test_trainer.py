@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SLUG, free_port, max_abs_diff
+from conftest import ROOT, SLUG, free_port, max_abs_diff, report
 
 SGD = {"optimizer": "sgd", "learning_rate": 0.1, "max_grad_norm": 0,
        "micro_batch_size": 2, "global_batch_size": 16, "max_steps": 4}
@@ -19,7 +19,7 @@ def test_classification_metrics_once_per_epoch(runs):
     assert [e["step"] for e in run.evals] == [steps_per_epoch, 2 * steps_per_epoch]
     for record in run.evals:
         assert set(record) == {"step", "eval_loss", "eval_accuracy", "eval_f1"}
-    print("trainer eval_accuracy per epoch:", [e["eval_accuracy"] for e in run.evals])
+    report(f"trainer sequence_classification eval_accuracy per epoch: {[e['eval_accuracy'] for e in run.evals]}")
     assert run.evals[-1]["eval_accuracy"] >= 0.9  # chance is about 0.5
 
 
@@ -45,5 +45,5 @@ def test_trainer_deepspeed_zero2_trains_like_ddp(runs):
     for a, b in zip(ddp.steps, ds.steps, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
     diff = max_abs_diff(ddp.params(), ds.params())
-    print(f"Trainer DeepSpeed zero2 vs DDP: max |param diff| = {diff:.3g}")
+    report(f"DeepSpeed zero2 vs DDP (trainer, 2x4, SGD): max |param diff| {diff:.3g}")
     assert diff <= 1e-5

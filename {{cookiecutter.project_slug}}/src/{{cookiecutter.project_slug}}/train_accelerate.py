@@ -10,7 +10,7 @@ Every flag overrides the key of the same name in configs/train.yaml (`--help` li
 
 Accelerate does the accumulation bookkeeping: inside `accumulate()` it skips DDP's all-reduce
 (no_sync) until the window's last micro-step, and the prepared optimizer only steps (and zeroes)
-when `accelerator.sync_gradients` is True. Three library behaviours are corrected on top:
+when `accelerator.sync_gradients` is True. Four library behaviours are corrected on top:
 - the window's length: our windows follow the data (the last one of an epoch may be short), so
   `accelerator.step` is aligned at each window's start and its last micro-step always syncs;
 - the loss: `accelerator.backward` divides by `gradient_accumulation_steps`; we divide by the real
