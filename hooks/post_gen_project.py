@@ -25,10 +25,13 @@ def unchosen_paths(answers: dict) -> list[Path]:
         if entry not in chosen:
             paths += [Path("src", SLUG, f"train_{entry}.py"), Path("tests", f"test_{entry}.py")]
     # Accelerate and DeepSpeed launch the accelerate and trainer entry points, not plain PyTorch.
+    slurm = Path("scripts", "slurm")
     if chosen == ("pytorch",):
-        paths += [Path("configs", "accelerate"), Path("configs", "deepspeed")]
+        paths += [Path("configs", "accelerate"), Path("configs", "deepspeed"), slurm / "accelerate.sbatch",
+                  slurm / "deepspeed.sbatch"]
     elif answers["deepspeed_stage"] == "none":
-        paths += [Path("configs", "deepspeed"), *Path("configs", "accelerate").glob("deepspeed_*.yaml")]
+        paths += [Path("configs", "deepspeed"), *Path("configs", "accelerate").glob("deepspeed_*.yaml"),
+                  slurm / "deepspeed.sbatch"]
     return paths
 
 
@@ -43,7 +46,8 @@ def main() -> None:
     print(f"\nCreated {ANSWERS['project_name']!r} in ./{SLUG}. Next:\n"
           f"  cd {SLUG}\n"
           "  make install        # .venv with torch and this package\n"
-          "  make train          # torchrun on this machine (every GPU, or 2 CPU processes)\n")
+          "  make train          # torchrun on this machine (every GPU, or 2 CPU processes)\n"
+          "  sbatch scripts/slurm/torchrun.sbatch   # on a SLURM cluster\n")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,19 @@ from pathlib import Path
 import pytest
 
 TEMPLATE = Path(__file__).resolve().parents[1]
+MEASURED: list[str] = []
+
+
+def report(text: str) -> None:
+    """Keep measured numbers for the "measured" section printed at the end of the session."""
+    MEASURED.append(text)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if MEASURED:
+        terminalreporter.section("measured")
+        for text in MEASURED:
+            terminalreporter.write_line(text)
 DEFAULTS = {"task": "causal_lm", "entry_points": "all", "deepspeed_stage": "2"}
 
 

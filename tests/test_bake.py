@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import project_files
+from conftest import project_files, report
 
 TASKS = ("causal_lm", "sequence_classification")
 ENTRY_POINTS = ("all", "pytorch", "accelerate", "trainer")
@@ -24,7 +24,7 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
     pkg = f"src/{slug}"
     files = {
         ".cookiecutter.json", ".gitignore", "Makefile", "README.md", "pyproject.toml",
-        "configs/train.yaml", "scripts/train_local.sh",
+        "configs/train.yaml", "scripts/train_local.sh", "scripts/slurm/common.sh", "scripts/slurm/torchrun.sbatch",
         *(f"{pkg}/{m}.py" for m in ("__init__", "batch", "checkpoint", "config", "coordination", "data",
                                      "distributed", "evaluation", "model", "optim", "session", "tracking")),
         *(f"{pkg}/assets/data/{t}/{s}.jsonl" for t in TASKS for s in ("train", "validation")),
@@ -36,7 +36,9 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
         files |= {f"{pkg}/train_{entry}.py", f"tests/test_{entry}.py"}
     if entries != ("pytorch",):
         files |= {f"configs/accelerate/{name}.yaml" for name in ("single", "multi_gpu", "multi_node", "fsdp")}
+        files.add("scripts/slurm/accelerate.sbatch")
         if deepspeed_stage != "none":
+            files.add("scripts/slurm/deepspeed.sbatch")
             files |= {f"configs/accelerate/deepspeed_zero{stage}.yaml" for stage in (1, 2, 3)}
             files |= {f"configs/deepspeed/{name}.json" for name in ("zero1", "zero2", "zero3", "zero3_offload")}
     return files
@@ -100,7 +102,9 @@ def test_generated_suite_passes(baked, task):
     project = baked(task=task)
     proc = run_generated_suite(project, *TASK_SUITES[task])
     # the generated suite's "measured" section (parameter differences, sync counts, accuracies), for the log
-    print(proc.stdout.partition(" measured ")[2])
+    section = proc.stdout.partition(" measured ")[2].splitlines()[1:]
+    measured = itertools.takewhile(lambda line: not line.startswith("="), section)
+    report("\n".join([f"generated suite, task {task}:", *measured]))
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout.splitlines()[-1] and "failed" not in proc.stdout.splitlines()[-1]
 

@@ -34,6 +34,21 @@ GPUS = torch.cuda.device_count()
 FAST = {"report_to": "none", "warmup_steps": "0", "max_seq_len": "48", "mixed_precision": MIXED_PRECISION}
 
 
+# The runs several modules share (RunCache launches each once): 8 optimizer steps at global batch
+# 16, 2 of warmup then a cosine decay, so the schedule shows in every logged lr; 0.05 MiB DDP
+# buckets, so the tiny model has several and sync counts mean something.
+GLOBAL_BATCH = 16
+MATRIX = {"global_batch_size": GLOBAL_BATCH, "max_steps": 8, "warmup_steps": 2, "lr_scheduler_type": "cosine",
+          "ddp_bucket_cap_mb": 0.05}
+ACCUM = {"micro_batch_size": 2, **MATRIX}  # on 2 processes: accumulation 4
+
+
+def short_windows(dataset: Path) -> dict:
+    """2 epochs of `small_dataset` in windows of 16, 16 and 5 examples, plain SGD: parameters move
+    by exactly lr x gradient, so a mis-scaled window shows (Adam would hide it)."""
+    return {"dataset": dataset, "num_epochs": 2, "optimizer": "sgd", "learning_rate": 0.1, "global_batch_size": 16}
+
+
 @dataclass(frozen=True)
 class Tolerance:
     param: float  # max |parameter difference| after the run
@@ -129,12 +144,16 @@ def launch_cmd(entry: str, nproc: int) -> list[str]:
             str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", module]
 
 
+def flag_args(flags: dict | None = None) -> list[str]:
+    """FAST, then `flags`, as command-line flags."""
+    return [arg for key, value in {**FAST, **(flags or {})}.items() for arg in (f"--{key}", str(value))]
+
+
 def run_entry(entry: str, nproc: int, output_dir: Path, env: dict, flags: dict | None = None,
               extra: list[str] | None = None) -> Run:
     if 0 < GPUS < nproc:
         pytest.skip(f"{nproc} processes need {nproc} GPUs (nccl: one process per GPU); this machine has {GPUS}")
-    args = [arg for key, value in {**FAST, **(flags or {})}.items() for arg in (f"--{key}", str(value))]
-    cmd = launch_cmd(entry, nproc) + args + ["--output_dir", str(output_dir)] + (extra or [])
+    cmd = launch_cmd(entry, nproc) + flag_args(flags) + ["--output_dir", str(output_dir)] + (extra or [])
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT_S)
     return Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
@@ -197,3 +216,9 @@ def max_abs_diff(a: dict, b: dict) -> float:
             assert params.pop("lm_head.weight").equal(params["model.embed_tokens.weight"])
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def max_loss_diff(a: Run, b: Run) -> float:
+    """Largest difference between the losses two runs logged for the same steps."""
+    assert [r["step"] for r in a.steps] == [r["step"] for r in b.steps]
+    return max(abs(x["loss"] - y["loss"]) for x, y in zip(a.steps, b.steps, strict=True))

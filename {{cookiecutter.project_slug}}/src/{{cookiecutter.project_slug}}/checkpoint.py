@@ -57,10 +57,14 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
 
 
 def read_state(path: Path) -> dict:
+    """The checkpoint's state.json; a missing or damaged one is a ConfigError (one line, exit 2)."""
     try:
-        return json.loads((path / STATE_FILE).read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"checkpoint {path} is unreadable: {err}") from None
+        state = json.loads((path / STATE_FILE).read_text())
+        int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"checkpoint {path} is unreadable ({STATE_FILE}: {err!r}); "
+                          "resume from another one or remove it") from None
+    return state
 
 
 def rng_state() -> dict:

@@ -7,6 +7,7 @@ are reported by every process before any process waits on another.
 
 import gc
 import os
+import signal
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -64,6 +65,27 @@ def cleanup() -> None:
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
+
+
+class PreemptionSignal:
+    """SIGUSR1 asks the job to stop at the next optimizer-step boundary with a checkpoint.
+
+    The SLURM scripts ask SLURM for it before the time limit (`#SBATCH --signal=B:USR1@...`) and
+    pass it on to every training process; the launchers in between (torchrun, accelerate launch)
+    ignore it. The processes may get it on either side of a step boundary, so they agree at each
+    boundary: one tiny all-reduce, and every rank stops after the same step.
+    """
+
+    def __init__(self) -> None:
+        self.received = False
+        signal.signal(signal.SIGUSR1, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank when any rank has received the signal."""
+        return all_reduce_sum(torch.tensor(float(self.received), device=device)).item() > 0
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

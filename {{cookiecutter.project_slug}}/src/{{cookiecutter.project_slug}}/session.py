@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .batch import BatchPlan, plan_batches
-from .checkpoint import resolve_resume
+from .checkpoint import read_state, resolve_resume
 from .config import ConfigError, TrainConfig
 from .coordination import check_launcher_env, deepspeed_config
 from .data import Collator, WindowSampler, eval_dataloader, load_raw_dataset, num_labels, tokenize, train_dataloader
-from .distributed import DistEnv, dist_env, print0
+from .distributed import DistEnv, PreemptionSignal, dist_env, print0
 from .model import load_tokenizer, model_config
 from .optim import total_steps
 
@@ -31,7 +31,10 @@ class Session:
     sampler: WindowSampler
     total_steps: int
     deepspeed: dict | None
+    preemption: PreemptionSignal
+    start_step: int = 0  # optimizer steps done before this job: the resumed checkpoint's step
     job_steps: int = 0  # optimizer steps taken by this job (a resumed job starts again at 0)
+    stop_reason: str = ""
 
     @classmethod
     def start(cls, cfg: TrainConfig, uses_deepspeed: bool) -> "Session":
@@ -49,13 +52,14 @@ class Session:
         config = model_config(cfg, tokenizer, labels)
         data = tokenize(raw, tokenizer, cfg)
         sampler = WindowSampler(len(data["train"]), plan, env.rank, cfg.seed)
+        start_step = read_state(resume)["step"] if resume else 0
         return cls(cfg, env, plan, resume, tokenizer, config, data, sampler,
-                   total_steps(cfg, sampler.steps_per_epoch), ds_config)
+                   total_steps(cfg, sampler.steps_per_epoch), ds_config, PreemptionSignal(), start_step)
 
-    def banner(self, entry: str, model, step: int) -> str:
+    def banner(self, entry: str, model) -> str:
         return (f"{entry}: {self.cfg.task}, {sum(p.numel() for p in model.parameters()):,} parameters, "
                 f"{self.total_steps} optimizer steps ({self.sampler.steps_per_epoch} per epoch)"
-                + (f", resuming after step {step} from {self.resume}" if self.resume else "")
+                + (f", resuming after step {self.start_step} from {self.resume}" if self.resume else "")
                 + "\n" + self.plan.table(self.cfg.max_seq_len))
 
     def loaders(self):
@@ -65,9 +69,9 @@ class Session:
                                      self.cfg.micro_batch_size, collator)
         return train, evaluation
 
-    def windows(self, loader, step: int) -> Iterator[tuple[int, list[dict], bool]]:
-        """From optimizer step `step` on: (the step it completes, its micro-batches, ends an epoch)."""
-        per_epoch = self.sampler.steps_per_epoch
+    def windows(self, loader) -> Iterator[tuple[int, list[dict], bool]]:
+        """From start_step on: (the optimizer step it completes, its micro-batches, ends an epoch)."""
+        per_epoch, step = self.sampler.steps_per_epoch, self.start_step
         while step < self.total_steps:
             epoch, first = divmod(step, per_epoch)
             self.sampler.set_epoch(epoch, first)
@@ -83,14 +87,25 @@ class Session:
                 "grad_accum_steps": self.plan.grad_accum_steps,
                 "global_batch_size": self.plan.global_batch_size, "elapsed_s": round(elapsed_s, 3)}
 
+    def should_stop(self, step: int) -> bool:
+        """After optimizer step `step` (counted in job_steps): must this job end here, with a
+        checkpoint? At --stop_after_steps, or when any process got the preemption signal."""
+        if step >= self.total_steps:
+            return False
+        if self.job_steps == self.cfg.stop_after_steps:
+            self.stop_reason = f"--stop_after_steps {self.cfg.stop_after_steps}"
+        elif self.preemption.agreed(self.env.device):
+            self.stop_reason = "preemption signal (SIGUSR1)"
+        return bool(self.stop_reason)
+
     def stopping(self, step: int) -> str:
-        return (f"stopping after {self.job_steps} steps of this job (step {step} of {self.total_steps}); "
-                "continue with --resume_from_checkpoint auto")
+        return (f"stopping after {self.job_steps} steps of this job (step {step} of {self.total_steps}), "
+                f"on {self.stop_reason}; continue with --resume_from_checkpoint auto")
 
     def end_step(self, step: int, values: dict, tracker, sync_counter, ends_epoch: bool,
                  evaluate, checkpoint) -> bool:
         """Record optimizer step `step`, evaluate and checkpoint when due; True when this job must
-        stop here (stop_after_steps), with its checkpoint written."""
+        stop here (stop_after_steps or preemption), with its checkpoint written."""
         cfg = self.cfg
         if sync_counter is not None:
             values["grad_sync_calls"] = sync_counter.take()
@@ -98,7 +113,7 @@ class Session:
         self.job_steps += 1
         if (cfg.eval_every and step % cfg.eval_every == 0) or (cfg.eval_every == 0 and ends_epoch):
             evaluate()
-        stop = self.job_steps == cfg.stop_after_steps and step < self.total_steps
+        stop = self.should_stop(step)
         if stop or (cfg.save_steps and step % cfg.save_steps == 0):
             checkpoint()
         if stop:

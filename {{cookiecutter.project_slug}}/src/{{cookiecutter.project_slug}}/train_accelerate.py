@@ -29,7 +29,7 @@ from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, GradientAccumulationPlugin
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .checkpoint import read_state, save_checkpoint
+from .checkpoint import save_checkpoint
 from .config import TrainConfig, run_cli
 from .distributed import GradSyncCounter, all_reduce_sum, init_distributed, print0
 from .evaluation import evaluate
@@ -47,7 +47,7 @@ def train_step(accelerator: Accelerator, model, window: list[dict], optimizer, l
     k = accelerator.gradient_accumulation_steps
     accelerator.step = k - len(window)  # the window's last micro-step is the one that syncs
     lr = optimizer.param_groups[0]["lr"]  # the lr this step applies (DeepSpeed steps inside backward)
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     grad_norm = None
     for batch in window:
         batch = {key: value.to(accelerator.device) for key, value in batch.items()}
@@ -65,8 +65,8 @@ def train_step(accelerator: Accelerator, model, window: list[dict], optimizer, l
             if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                 lr_scheduler.step()
             optimizer.zero_grad()
-        loss_sum += loss.detach().double().cpu()
-    return {"loss": all_reduce_sum(loss_sum.to(accelerator.device)).item() / num_targets, "lr": lr,
+        loss_sum += loss.detach().double()
+    return {"loss": all_reduce_sum(loss_sum).item() / num_targets, "lr": lr,
             "grad_norm": float(grad_norm), "tokens": int(num_targets), "micro_steps": len(window)}
 
 
@@ -95,11 +95,9 @@ def train(cfg: TrainConfig) -> None:
     )
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
     sync_counter = GradSyncCounter(model) if isinstance(model, DDP) else None
-    start_step = 0
     if session.resume is not None:
         accelerator.load_state(str(session.resume))
-        start_step = read_state(session.resume)["step"]
-    print0(session.banner("train_accelerate", model, start_step))
+    print0(session.banner("train_accelerate", model))
     train_loader, eval_loader = session.loaders()
     tracker = Tracker(cfg, env, session.plan, resumed=session.resume is not None, accelerator=accelerator)
     unwrapped = accelerator.unwrap_model(model)
@@ -112,8 +110,8 @@ def train(cfg: TrainConfig) -> None:
         save_checkpoint(cfg, step, env, lambda folder: accelerator.save_state(str(folder)))
 
     model.train()
-    step = start_step
-    for step, window, ends_epoch in session.windows(train_loader, start_step):
+    step = session.start_step
+    for step, window, ends_epoch in session.windows(train_loader):
         values = train_step(accelerator, model, window, optimizer, lr_scheduler, cfg, env.world_size)
         if session.end_step(step, values, tracker, sync_counter, ends_epoch, run_eval, checkpoint):
             return

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .checkpoint import load_rng, read_state, save_checkpoint, save_rng
+from .checkpoint import load_rng, save_checkpoint, save_rng
 from .config import TrainConfig, run_cli
 from .distributed import DistEnv, GradSyncCounter, all_reduce_sum, init_distributed, print0
 from .evaluation import evaluate
@@ -41,9 +41,9 @@ def train_step(ddp_model, window: list[dict], optimizer, lr_scheduler, scaler, c
                env: DistEnv, autocast) -> dict:
     """One optimizer step over this rank's micro-batches of the window."""
     model = ddp_model.module if isinstance(ddp_model, DDP) else ddp_model
-    targets = torch.tensor(float(sum(count_targets(b["labels"], cfg.task) for b in window)))
+    targets = torch.tensor(float(sum(count_targets(b["labels"], cfg.task) for b in window)), device=env.device)
     num_targets = all_reduce_sum(targets).clamp(min=1).item()  # real targets, all ranks
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     for micro_step, batch in enumerate(window):
         batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
         labels = batch.pop("labels")
@@ -56,7 +56,7 @@ def train_step(ddp_model, window: list[dict], optimizer, lr_scheduler, scaler, c
             # DDP averages over ranks, hence x world_size: the sum over the window and the ranks
             # is then the gradient of the global batch's mean loss.
             scaler.scale(loss * (env.world_size / num_targets)).backward()
-        loss_sum += loss.detach().double().cpu()
+        loss_sum += loss.detach().double()
     scaler.unscale_(optimizer)  # once per optimizer step, before clipping
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
     lr = optimizer.param_groups[0]["lr"]
@@ -75,9 +75,7 @@ def train(cfg: TrainConfig) -> None:
     optimizer = build_optimizer(model, cfg)
     lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps)
     scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.mixed_precision == "fp16")
-    start_step = 0
     if session.resume is not None:
-        start_step = read_state(session.resume)["step"]
         load_model(model, str(session.resume / "model.safetensors"), device=str(env.device))
         state = torch.load(session.resume / "training_state.pt", map_location=env.device, weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
@@ -86,7 +84,7 @@ def train(cfg: TrainConfig) -> None:
         load_rng(session.resume, env.rank)
 
     init_distributed(env)
-    print0(session.banner("train_pytorch", model, start_step))
+    print0(session.banner("train_pytorch", model))
     ddp_model, sync_counter = model, None
     if env.world_size > 1:
         ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
@@ -111,8 +109,8 @@ def train(cfg: TrainConfig) -> None:
         save_checkpoint(cfg, step, env, write)
 
     model.train()
-    step = start_step
-    for step, window, ends_epoch in session.windows(train_loader, start_step):
+    step = session.start_step
+    for step, window, ends_epoch in session.windows(train_loader):
         values = train_step(ddp_model, window, optimizer, lr_scheduler, scaler, cfg, env, autocast)
         if session.end_step(step, values, tracker, sync_counter, ends_epoch, run_eval, checkpoint):
             return

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .checkpoint import checkpoints_dir, publish_checkpoint, read_state
+from .checkpoint import checkpoints_dir, publish_checkpoint
 from .config import TrainConfig, run_cli
 from .distributed import GradSyncCounter, all_reduce_sum, print0
 from .evaluation import classification_metrics, confusion_matrix
@@ -66,7 +66,7 @@ def training_arguments(cfg: TrainConfig, session: Session) -> TrainingArguments:
         save_strategy="steps" if cfg.save_steps else "no",
         save_steps=cfg.save_steps or None,
         report_to="none",  # W&B goes through RunRecorder, with the keys every entry point uses
-        deepspeed=cfg.deepspeed or None,
+        deepspeed=session.deepspeed,  # --deepspeed or the accelerate config's JSON, its "auto" keys filled
         average_tokens_across_devices=True,
         ddp_bucket_cap_mb=cfg.ddp_bucket_cap_mb,  # passed on to DDP as is, fractions included
         ddp_find_unused_parameters=False,  # every parameter is used; DDP as the other entry points build it
@@ -117,7 +117,7 @@ class RunRecorder(TrainerCallback):
         if num_items_in_batch is None:
             num_items_in_batch = max(count_targets(labels, task), 1)
         if torch.is_grad_enabled():  # a training micro-step (evaluation runs without grad)
-            self.loss_sum += loss.detach().double().cpu()
+            self.loss_sum = self.loss_sum + loss.detach().double()  # on the loss's device
             self.micro_steps += 1
             self.num_targets = int(num_items_in_batch)
         return loss / num_items_in_batch
@@ -133,13 +133,13 @@ class RunRecorder(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.session.job_steps += 1
-        cfg = self.session.cfg
-        if self.session.job_steps == cfg.stop_after_steps and state.global_step < self.session.total_steps:
+        if self.session.should_stop(state.global_step):
             control.should_save = control.should_training_stop = True
             self.stopped = True
 
     def on_epoch_end(self, args, state, control, **kwargs):
-        if self.stopped:  # stopped mid-epoch, as if preempted: the epoch's evaluation comes later
+        # Stopped mid-epoch (stop_after_steps, preemption): the epoch's evaluation comes after the resume.
+        if self.stopped and state.global_step % self.session.sampler.steps_per_epoch:
             control.should_evaluate = False
 
     def on_save(self, args, state, control, **kwargs):
@@ -158,7 +158,7 @@ class RunRecorder(TrainerCallback):
             if self.sync_counter is not None:
                 values["grad_sync_calls"] = self.sync_counter.take()
             self.tracker.log(self.session.record(state.global_step, values, self.tracker.elapsed()))
-            self.loss_sum.zero_()
+            self.loss_sum = torch.zeros((), dtype=torch.float64)
             self.micro_steps = 0
         eval_keys = {k: v for k, v in logs.items()
                      if k.startswith("eval_") and not k.endswith(("_runtime", "_per_second"))}
@@ -193,8 +193,7 @@ def train(cfg: TrainConfig) -> None:
     session = Session.start(cfg, uses_deepspeed=True)  # every input check, before any waiting
     model = build_model(cfg, session.model_config)
     args = training_arguments(cfg, session)  # creates the process group
-    step = read_state(session.resume)["step"] if session.resume else 0
-    print0(session.banner("train_trainer", model, step))
+    print0(session.banner("train_trainer", model))
     train_loader, _ = session.loaders()
     tracker = Tracker(cfg, session.env, session.plan, resumed=session.resume is not None)
     recorder = RunRecorder(session, tracker)

@@ -1,0 +1,146 @@
+"""The generated sbatch scripts on a real SLURM cluster: slurmctld and two slurmd (node1, node2 on
+127.0.0.1) with munge, started by this module (tests/slurm/slurm_up.sh) and stopped by PID.
+
+Each script trains on both nodes (1 CPU process per node: world size 2); then a job gets the
+preemption signal SLURM sends before a time limit, checkpoints, is requeued, resumes and finishes.
+Needs root (daemons, apt-get, /etc/hosts); skipped, saying why, where the machine cannot run it.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import report
+
+SLURM_DIR = Path(__file__).parent / "slurm"
+ANSWERS = {"num_nodes": "2", "gpus_per_node": "2", "slurm_partition": "debug", "slurm_time": "00:30:00"}
+TRAIN = ["--report_to", "none", "--max_seq_len", "48", "--micro_batch_size", "2", "--global_batch_size", "8"]
+JOB_TIMEOUT_S = 300
+
+
+def run(cmd: list[str], env: dict, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("the local SLURM cluster needs root (it starts daemons and may apt-get install slurm)")
+    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+        pytest.skip("slurmctld is not installed and there is no apt-get to install it")
+    base = tmp_path_factory.mktemp("slurm")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "WANDB_"))}
+    up = subprocess.run(["bash", str(SLURM_DIR / "slurm_up.sh"), str(base)], env=env, capture_output=True,
+                        text=True, timeout=600)
+    try:
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        yield {**env, "SLURM_CONF": str(base / "etc" / "slurm.conf")}
+    finally:
+        subprocess.run(["bash", str(SLURM_DIR / "slurm_down.sh"), str(base)], timeout=60)
+
+
+@pytest.fixture(scope="module")
+def project(baked, slurm):
+    return baked(**ANSWERS)
+
+
+def job_env(slurm: dict, out: Path) -> dict:
+    """What a user's shell would hold at `sbatch`: the venv on PATH, offline, loopback, CPU."""
+    return {**slurm, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{slurm['PATH']}",
+            "NPROC_PER_NODE": "1", "OUTPUT_DIR": str(out),
+            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(out.parent / "hf"),
+            "WANDB_MODE": "offline", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "DIST_TIMEOUT_S": "120"}
+
+
+def job_state(job: str, env: dict) -> dict:
+    shown = run(["scontrol", "show", "job", "-o", job], env).stdout.split()
+    return dict(item.split("=", 1) for item in shown if "=" in item)
+
+
+def wait_for(job: str, env: dict, states: tuple[str, ...], deadline: float) -> dict:
+    """Poll the job until it is in one of `states` (faster than `sbatch --wait`, which backs off)."""
+    while (state := job_state(job, env))["JobState"] not in states:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
+    return state
+
+
+def steps_of(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+SCRIPTS = [("torchrun", {}), ("torchrun", {"ENTRY": "trainer"}), ("accelerate", {}), ("deepspeed", {})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,extra_env", SCRIPTS, ids=lambda v: v if isinstance(v, str) else v.get("ENTRY", ""))
+def test_sbatch_script_trains_on_two_nodes(project, slurm, tmp_path, script, extra_env):
+    out = tmp_path / "run"
+    env = {**job_env(slurm, out), **extra_env}
+    start = time.monotonic()
+    submitted = run(["sbatch", "--parsable", f"--output={tmp_path}/job-%j.out", f"scripts/slurm/{script}.sbatch",
+                     "--max_steps", "4", *TRAIN], env, cwd=project)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    state = wait_for(job, slurm, FINAL, start + JOB_TIMEOUT_S)
+    wall = time.monotonic() - start
+    log = "".join(p.read_text() for p in tmp_path.glob("job-*.out"))
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", f"{state}\n{log[-4000:]}"
+    assert state["NodeList"] == "node[1-2]" and state["NumNodes"] == "2"
+    assert [(r["step"], r["world_size"]) for r in steps_of(out)] == [(1, 2), (2, 2), (3, 2), (4, 2)]
+    assert (out / "final_model" / "model.safetensors").is_file()
+    report(f"slurm {script}.sbatch {extra_env or ''}: job {job}, exit code {state['ExitCode']}, "
+           f"nodes {state['NodeList']}, {wall:.1f} s from sbatch to exit")
+
+
+@pytest.mark.slow
+def test_preempted_job_checkpoints_requeues_and_resumes(project, slurm, tmp_path):
+    out = tmp_path / "run"
+    env = job_env(slurm, out)
+    log_path = tmp_path / "job.out"
+    submitted = run(["sbatch", "--parsable", f"--output={log_path}", "scripts/slurm/torchrun.sbatch",
+                     "--max_steps", "200", *TRAIN], env, cwd=project)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    timeline = {"submitted": time.monotonic()}
+    try:
+        deadline = timeline["submitted"] + JOB_TIMEOUT_S
+        while len(steps_of(out)) < 3:
+            assert time.monotonic() < deadline, log_path.read_text() if log_path.exists() else "no log"
+            time.sleep(0.1)
+        timeline["training"] = time.monotonic()
+        # what `#SBATCH --signal=B:USR1@120` makes SLURM do 120 s before the time limit
+        assert run(["scancel", "--signal=USR1", "--batch", job], env).returncode == 0
+        timeline["signalled"] = time.monotonic()
+        state = wait_for(job, slurm, ("PENDING", *FINAL), deadline)
+        timeline["requeued"] = time.monotonic()
+        assert state["JobState"] == "PENDING" and state["Restarts"] == "1", state
+        stopped = steps_of(out)[-1]["step"]
+        assert (out / "checkpoints" / f"step_{stopped}" / "state.json").is_file()
+        # a requeued job waits cred_expire (10 s on this cluster) before it may start again
+        wait_for(job, slurm, ("RUNNING", *FINAL), deadline)
+        timeline["restarted"] = time.monotonic()
+        state = wait_for(job, slurm, FINAL, deadline)
+        timeline["finished"] = time.monotonic()
+    finally:
+        run(["scancel", job], env)
+    log = log_path.read_text()
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", log[-4000:]
+    assert "preemption signal: every training process checkpoints at its next optimizer step" in log
+    assert "on preemption signal (SIGUSR1); continue with --resume_from_checkpoint auto" in log
+    assert f"requeueing job {job}" in log
+    assert f"resuming after step {stopped}" in log
+    assert [r["step"] for r in steps_of(out)] == list(range(1, 201))  # each step once: no work lost or redone
+    assert (out / "final_model" / "model.safetensors").is_file()
+    t0 = timeline["submitted"]
+    report(f"slurm preemption, job {job}: " + ", ".join(f"{k} +{v - t0:.1f} s" for k, v in timeline.items())
+           + f"; stopped after step {stopped} of 200, checkpoint step_{stopped}, restarts {state['Restarts']}")

@@ -1,0 +1,74 @@
+# shellcheck shell=bash
+# Shared by scripts/slurm/*.sbatch, which source it from the project root; not run on its own.
+#
+# job_setup "$@" sets, from SLURM's variables (or placeholders outside an allocation, for DRY_RUN):
+#   NODES (host names, in SLURM_NODEID order)  NNODES  HEAD (first node)  MASTER_PORT
+#   NPROC_PER_NODE (processes per node: GPUs SLURM gave the node, unless set)
+#   OUTPUT_DIR (default runs/<job id>: the same folder after a requeue)
+#   TRAIN_ARGS (--config, --output_dir, --resume_from_checkpoint auto, then the script's arguments)
+# launch_on_nodes NODE_CMD runs NODE_CMD once per node under srun; `\$SLURM_NODEID` in it is
+# expanded on each node (its node rank). DRY_RUN=1 prints each node's command instead.
+#
+# Preemption: SLURM sends USR1 to this batch shell before the time limit (#SBATCH --signal=B:USR1@...).
+# The trap passes it to every process of the job step; the launchers ignore it (trap '' USR1) and
+# the training processes stop at the next optimizer step with a checkpoint and exit 0; the job is
+# then requeued, and on restart `--resume_from_checkpoint auto` continues from that checkpoint.
+
+# shellcheck disable=SC2034  # TRAIN_ARGS and the others are read by the sbatch script
+job_setup() {
+  JOB_ID=${SLURM_JOB_ID:-dry-run}
+  if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
+    mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+  else  # outside an allocation (DRY_RUN=1 on a login node): placeholder names
+    NODES=()
+    for ((i = 0; i < ${SLURM_NNODES:-$DEFAULT_NODES}; i++)); do NODES+=("node$i"); done
+  fi
+  NNODES=${#NODES[@]}
+  HEAD=${NODES[0]}
+  # a port per job, so jobs sharing a node do not collide
+  MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+  NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-$DEFAULT_GPUS_PER_NODE}}
+  OUTPUT_DIR=${OUTPUT_DIR:-runs/$JOB_ID}
+  CONFIG=${CONFIG:-configs/train.yaml}
+  TRAIN_ARGS=(--config "$CONFIG" --output_dir "$OUTPUT_DIR" --resume_from_checkpoint auto "$@")
+  # the package runs from src/ without being installed
+  export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+  echo "job $JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $NNODES node(s) x $NPROC_PER_NODE process(es), head $HEAD:$MASTER_PORT, output $OUTPUT_DIR"
+}
+
+quote() {  # the arguments, each quoted for bash, space-separated
+  local quoted
+  printf -v quoted '%q ' "$@"
+  echo "${quoted% }"
+}
+
+PREEMPTED=0
+on_preemption_signal() {
+  PREEMPTED=1
+  echo "preemption signal: every training process checkpoints at its next optimizer step"
+  scancel --signal=USR1 "$SLURM_JOB_ID"  # every process of the job's steps, on every node
+}
+
+launch_on_nodes() {
+  local node_cmd=$1 i status=0 pid
+  if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    for i in "${!NODES[@]}"; do
+      echo "${NODES[i]} (SLURM_NODEID=$i): ${node_cmd//\$SLURM_NODEID/$i}"
+    done
+    return 0
+  fi
+  trap on_preemption_signal USR1
+  # in the background: bash runs a trap only between commands, and `wait` returns for one
+  srun --nodes "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 bash -c "trap '' USR1; exec $node_cmd" &
+  pid=$!
+  wait "$pid" || status=$?
+  while ((status > 128)) && kill -0 "$pid" 2>/dev/null; do  # the wait was cut short by the trap
+    status=0
+    wait "$pid" || status=$?
+  done
+  if ((PREEMPTED && status == 0)) && [[ ! -d "$OUTPUT_DIR/final_model" ]]; then
+    echo "requeueing job $SLURM_JOB_ID: it resumes from $OUTPUT_DIR/checkpoints"
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
+  return "$status"
+}

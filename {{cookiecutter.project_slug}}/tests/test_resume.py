@@ -1,0 +1,281 @@
+"""Losing nothing: a stopped, preempted or crashed job continues exactly from its last checkpoint,
+a crash while a checkpoint is written leaves the previous one usable, and a run with a W&B key
+leaves no copy of it behind. Every run is real: 2 gloo processes under torchrun."""
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (
+    ACCUM,
+    ENTRIES,
+    GPUS,
+    LAUNCH_TIMEOUT_S,
+    ROOT,
+    SLUG,
+    TOL,
+    Run,
+    flag_args,
+    launch_cmd,
+    max_abs_diff,
+    max_loss_diff,
+    report,
+    run_entry,
+    short_windows,
+    worker_error_lines,
+)
+
+# Long enough (200 optimizer steps) that a signal or a kill lands mid-run, small enough to stay quick.
+LONG = {"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 200}
+
+
+def last_records(run: Run) -> list[dict]:
+    """The step records that count: after a crash, the steps redone after the restart replace those
+    logged after the last checkpoint (metrics.jsonl is only ever appended to)."""
+    by_step = {r["step"]: r for r in run.steps}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def assert_same_training(resumed: Run, straight: Run) -> float:
+    """Every step's loss and the final parameters: bitwise on CPU; GPU kernels (atomic adds) are
+    not bitwise reproducible run to run. Returns the largest parameter difference."""
+    losses = [r["loss"] for r in last_records(resumed)]
+    assert len(losses) == len(straight.steps)
+    diff = max_abs_diff(resumed.params(), straight.params())
+    if GPUS:
+        assert max(abs(a - b["loss"]) for a, b in zip(losses, straight.steps, strict=True)) <= TOL.loss
+        assert diff <= TOL.param
+    else:
+        assert losses == [r["loss"] for r in straight.steps]
+        assert diff == 0.0
+    return diff
+
+
+def launch_logged(cmd: list[str], env: dict, tmp_path: Path) -> subprocess.Popen:
+    """Start a run in the background, its output in files (a full pipe would stall it)."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=(tmp_path / "stdout").open("w"),
+                            stderr=(tmp_path / "stderr").open("w"), text=True)
+
+
+def logs(tmp_path: Path) -> tuple[str, str]:
+    return (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+
+
+def children_of() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+    return children
+
+
+def signal_process_tree(pid: int, signum: int) -> None:
+    """Signal `pid` and all its descendants, whatever their session, as SLURM signals a job step."""
+    children, todo = children_of(), [pid]
+    while todo:
+        member = todo.pop()
+        todo += children.get(member, [])
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+            os.kill(member, signum)
+
+
+def wait_for_step(out: Path, proc: subprocess.Popen, step: int) -> None:
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while max([r["step"] for r in Run(0, "", "", out).steps] or [0]) < step:
+        assert proc.poll() is None and time.monotonic() < deadline, f"the run ended before step {step}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_stop_and_resume_is_exact(runs, entry, tmp_path):
+    straight = runs(entry, 2, **ACCUM)
+    out = tmp_path / "resumed"
+    first = run_entry(entry, 2, out, runs.env, {**ACCUM, "stop_after_steps": 4})
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads((out / "checkpoints" / "step_4" / "state.json").read_text())["step"] == 4
+    assert not (out / "final_model").exists()
+    assert [r["step"] for r in first.steps] == [1, 2, 3, 4] and first.evals == []
+    shutil.copytree(out, tmp_path / "on_one_process")
+
+    if entry == ENTRIES[0]:  # the refusal is Session.start's, shared by every entry point
+        again = run_entry(entry, 2, out, runs.env, ACCUM)
+        assert again.returncode == 1  # torchrun's code for workers that exited with 2
+        worker_error_lines(again.stderr, f"error: output_dir {out} already holds checkpoints (step_4); pass "
+                                         "--resume_from_checkpoint auto to continue")
+
+    second = run_entry(entry, 2, out, runs.env, {**ACCUM, "resume_from_checkpoint": "auto"})
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert [r["step"] for r in second.steps] == list(range(1, 9))
+    assert [e["step"] for e in second.evals] == [8]
+    assert_same_training(second, straight)
+
+    # The same checkpoint continued on 1 process: accumulation re-derived (8 instead of 4), the
+    # global batch and its examples the same, only the order of the sums differs.
+    single = run_entry(entry, 1, tmp_path / "on_one_process", runs.env, {**ACCUM, "resume_from_checkpoint": "auto"})
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert [(r["world_size"], r["grad_accum_steps"]) for r in single.steps] == [(2, 4)] * 4 + [(1, 8)] * 4
+    assert [r["tokens"] for r in single.steps] == [r["tokens"] for r in straight.steps]
+    diff, loss_diff = max_abs_diff(single.params(), straight.params()), max_loss_diff(single, straight)
+    report(f"resume {entry}: stop at 4 of 8, resume on 2 processes: bitwise equal; resume on 1 process "
+           f"(accumulation 4 -> 8): max |param diff| {diff:.3g}, max |loss diff| {loss_diff:.3g}")
+    assert diff <= TOL.param and loss_diff <= TOL.loss
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_resume_into_a_new_epoch_is_exact(runs, entry, small_dataset, tmp_path):
+    # 3 optimizer steps per epoch: stopping after step 3 ends epoch 1 (with its evaluation); the
+    # resumed job starts epoch 2 with that epoch's permutation.
+    flags = {"micro_batch_size": 2, **short_windows(small_dataset)}
+    straight = runs(entry, 2, **flags)
+    out = tmp_path / "resumed"
+    first = run_entry(entry, 2, out, runs.env, {**flags, "stop_after_steps": 3})
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert [e["step"] for e in first.evals] == [3]
+    second = run_entry(entry, 2, out, runs.env, {**flags, "resume_from_checkpoint": "auto"})
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert [r["step"] for r in second.steps] == list(range(1, 7))
+    assert second.evals == straight.evals  # one per epoch, at steps 3 and 6, the same values
+    assert_same_training(second, straight)
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_preemption_signal_checkpoints_and_the_job_continues(entry, env, tmp_path):
+    out = tmp_path / "preempted"
+    # As in scripts/slurm/common.sh: the launcher ignores the signal, the training processes handle it.
+    cmd = ["bash", "-c", "trap '' USR1; exec \"$@\"", "bash", *launch_cmd(entry, 2), *flag_args(LONG),
+           "--output_dir", str(out)]
+    proc = launch_logged(cmd, env, tmp_path)
+    try:
+        wait_for_step(out, proc, 2)
+        signal_process_tree(proc.pid, signal.SIGUSR1)  # every process of the job, launcher included
+        proc.wait(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            signal_process_tree(proc.pid, signal.SIGKILL)
+    stdout, stderr = logs(tmp_path)
+    assert proc.returncode == 0, stderr[-3000:]
+    steps = [r["step"] for r in Run(0, "", "", out).steps]
+    stopped = steps[-1]
+    assert steps == list(range(1, stopped + 1)) and stopped < LONG["max_steps"]
+    assert f"(step {stopped} of {LONG['max_steps']}), on preemption signal (SIGUSR1)" in stdout
+    assert json.loads((out / "checkpoints" / f"step_{stopped}" / "state.json").read_text())["step"] == stopped
+    assert not (out / "final_model").exists()
+
+    resumed = run_entry(entry, 2, out, env, {**LONG, "resume_from_checkpoint": "auto"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming after step {stopped}" in resumed.stdout
+    assert [r["step"] for r in resumed.steps] == list(range(1, LONG["max_steps"] + 1))
+    assert (out / "final_model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_killed_rank_restarts_from_the_last_checkpoint(runs, entry, tmp_path):
+    """kill -9 of one rank under `torchrun --max_restarts 1`: torchrun restarts the job, which
+    resumes from its newest checkpoint by itself and ends as an uninterrupted run."""
+    flags = {**LONG, "max_steps": 80, "save_steps": 10, "resume_from_checkpoint": "auto"}
+    straight = runs(entry, 2, **flags)
+    out = tmp_path / "crashed"
+    cmd = launch_cmd(entry, 2)
+    cmd[cmd.index("--nnodes"):cmd.index("--nnodes")] = ["--max_restarts", "1"]
+    proc = launch_logged(cmd + flag_args(flags) + ["--output_dir", str(out)], runs.env, tmp_path)
+    try:
+        wait_for_step(out, proc, 15)  # past the checkpoint at step 10
+        records = (out / "metrics.jsonl").read_text().splitlines()
+        killed_at, killed_step = time.monotonic(), json.loads(records[-1])["step"]
+        os.kill(children_of()[proc.pid][-1], signal.SIGKILL)  # one of torchrun's 2 workers
+        # the first record after the restart: a step the killed job had already logged
+        while not (redone := [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()[len(records):])
+                              if "loss" in r and r["step"] <= killed_step]):
+            assert proc.poll() is None and time.monotonic() < killed_at + LAUNCH_TIMEOUT_S, logs(tmp_path)[1][-3000:]
+            time.sleep(0.02)
+        resumed_after = time.monotonic() - killed_at
+        proc.wait(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            signal_process_tree(proc.pid, signal.SIGKILL)
+    stdout, stderr = logs(tmp_path)
+    assert proc.returncode == 0, stderr[-3000:]
+    resumed_from = int(re.search(r"resuming after step (\d+)", stdout)[1])
+    assert resumed_from >= 10 and redone[0]["step"] == resumed_from + 1
+    crashed = Run(0, stdout, stderr, out)
+    assert [r["step"] for r in last_records(crashed)] == list(range(1, 81))
+    diff = assert_same_training(crashed, straight)
+    report(f"crash {entry}: kill -9 of one rank after step {killed_step}, torchrun restarted the job, which "
+           f"resumed from step_{resumed_from}: {resumed_after:.1f} s from the kill to the first resumed step; "
+           f"max |param diff| vs uninterrupted {diff:.3g}")
+
+
+CRASH_IN_CHECKPOINT = f"""
+import importlib, os, signal, sys
+from {SLUG} import checkpoint
+entry = importlib.import_module("{SLUG}.train_" + sys.argv.pop(1))
+publish = checkpoint.publish_checkpoint
+
+def publish_or_die(cfg, step, env, written):
+    if step == 8 and env.is_main_process:  # every part written, nothing published yet
+        os.kill(os.getpid(), signal.SIGKILL)
+    return publish(cfg, step, env, written)
+
+checkpoint.publish_checkpoint = publish_or_die
+if hasattr(entry, "publish_checkpoint"):
+    entry.publish_checkpoint = publish_or_die
+entry.main()
+"""
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(runs, entry, tmp_path):
+    flags = {**ACCUM, "save_steps": 4}
+    script = tmp_path / "crash_in_checkpoint.py"
+    script.write_text(CRASH_IN_CHECKPOINT)
+    out = tmp_path / "out"
+    cmd = launch_cmd(entry, 2)
+    cmd[cmd.index("-m"):] = [str(script), entry]
+    proc = subprocess.run(cmd + flag_args(flags) + ["--output_dir", str(out)], cwd=ROOT, env=runs.env,
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode != 0 and "Signals.SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert "step_4" in checkpoints and "step_8" not in checkpoints, checkpoints
+    written = [p for p in (out / "checkpoints").iterdir() if p.name not in ("step_4",)]
+    assert written and not any((p / "state.json").exists() for p in written)  # the half-done step 8
+
+    resumed = run_entry(entry, 2, out, runs.env, {**flags, "resume_from_checkpoint": "auto"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming after step 4" in resumed.stdout
+    assert_same_training(resumed, runs(entry, 2, **ACCUM))
+
+
+def test_damaged_checkpoint_is_one_line(env, tmp_path):
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step_4").mkdir(parents=True)
+    (out / "checkpoints" / "step_4" / "state.json").write_text("{not json")
+    cmd = launch_cmd(ENTRIES[0], 1) + flag_args({"resume_from_checkpoint": "auto"}) + ["--output_dir", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"error: checkpoint {out / 'checkpoints' / 'step_4'} is unreadable")
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_no_copy_of_the_wandb_key_is_left(entry, env, tmp_path):
+    key = "local-" + os.urandom(20).hex()  # the shape of a W&B key; never sent: WANDB_MODE=offline
+    out = tmp_path / "out"
+    run = run_entry(entry, 2, out, {**env, "WANDB_API_KEY": key},
+                    {**ACCUM, "report_to": "wandb", "save_steps": 4, "max_steps": 6})
+    assert run.returncode == 0, run.stderr[-3000:]
+    scanned = [p for folder in (out, Path(env["WANDB_DIR"])) for p in folder.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in scanned) and any("checkpoints" in p.parts for p in scanned)
+    leaks = [str(p) for p in scanned if key.encode() in p.read_bytes()]
+    leaks += [name for name, text in (("stdout", run.stdout), ("stderr", run.stderr)) if key in text]
+    report(f"secrets {entry}: {len(scanned)} files scanned (output_dir, W&B dir) plus the logs: "
+           f"{len(leaks)} copies of WANDB_API_KEY")
+    assert leaks == []
