@@ -9,7 +9,6 @@ a stopped job resumes exactly. Tolerances: conftest.TOLERANCES; measured numbers
 section at the end of the pytest output.
 """
 
-import json
 import math
 import subprocess
 import sys

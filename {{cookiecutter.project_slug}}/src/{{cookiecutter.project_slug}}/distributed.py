@@ -46,13 +46,22 @@ def dist_env() -> DistEnv:
 
 
 def init_distributed(env: DistEnv) -> None:
-    """Join the process group: nccl on GPUs, gloo on CPU. A single process joins nothing."""
+    """Join the process group: nccl on GPUs, gloo on CPU. A single process joins nothing.
+
+    Every entry point joins here, before Accelerate or the Trainer would (they use the group they
+    find). The keys of this rendezvous are prefixed with torchrun's restart count: a job that
+    torchrun restarts (--max_restarts) after a crash may get the crashed attempt's store, whose
+    stale process addresses would otherwise be read back (measured: gloo then fails to connect).
+    """
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     if env.world_size > 1 and not dist.is_initialized():
         timeout = timedelta(seconds=int(os.environ.get("DIST_TIMEOUT_S", 1800)))
         backend = "nccl" if env.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timeout)
+        store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"attempt_{attempt}/", store),
+                                rank=env.rank, world_size=env.world_size, timeout=timeout)
 
 
 def cleanup() -> None:

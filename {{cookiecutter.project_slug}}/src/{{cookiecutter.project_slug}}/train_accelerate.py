@@ -78,10 +78,9 @@ def train(cfg: TrainConfig) -> None:
     lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps)
 
     on_cpu = env.device.type == "cpu"
-    if on_cpu and session.deepspeed:
-        # DeepSpeed on CPU: Accelerate only starts DeepSpeed off the CPU path, and DeepSpeed's own
-        # CPU backend is oneCCL; a gloo group created first is the one both then use.
-        init_distributed(env)
+    # Our process group, which Accelerate then uses; also what DeepSpeed on CPU needs (Accelerate
+    # only starts DeepSpeed off the CPU path, and DeepSpeed's own CPU backend is oneCCL).
+    init_distributed(env)
     accelerator = Accelerator(
         cpu=on_cpu and not session.deepspeed,  # without it Accelerate ignores torchrun's ranks on CPU
         gradient_accumulation_plugin=GradientAccumulationPlugin(

@@ -32,7 +32,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .checkpoint import checkpoints_dir, publish_checkpoint
 from .config import TrainConfig, run_cli
-from .distributed import GradSyncCounter, all_reduce_sum, print0
+from .distributed import GradSyncCounter, all_reduce_sum, init_distributed, print0
 from .evaluation import classification_metrics, confusion_matrix
 from .model import build_model, count_targets, summed_loss
 from .optim import SCHEDULES, build_optimizer, build_scheduler
@@ -192,7 +192,8 @@ def compute_metrics(eval_prediction, task: str, num_labels: int) -> dict:
 def train(cfg: TrainConfig) -> None:
     session = Session.start(cfg, uses_deepspeed=True)  # every input check, before any waiting
     model = build_model(cfg, session.model_config)
-    args = training_arguments(cfg, session)  # creates the process group
+    init_distributed(session.env)  # the process group the Trainer then uses
+    args = training_arguments(cfg, session)
     print0(session.banner("train_trainer", model))
     train_loader, _ = session.loaders()
     tracker = Tracker(cfg, session.env, session.plan, resumed=session.resume is not None)
