@@ -30,7 +30,7 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
         *(f"{pkg}/assets/data/{t}/{s}.jsonl" for t in TASKS for s in ("train", "validation")),
         f"{pkg}/assets/tokenizer/tokenizer.json", f"{pkg}/assets/tokenizer/tokenizer_config.json",
         *(f"tests/{m}.py" for m in ("conftest", "test_cli", "test_config", "test_data", "test_parity",
-                                    "test_scripts", "test_wandb")),
+                                    "test_resume", "test_scripts", "test_wandb")),
     }
     for entry in entries:
         files |= {f"{pkg}/train_{entry}.py", f"tests/test_{entry}.py"}
@@ -72,7 +72,7 @@ def test_baked_project_is_lint_clean(baked, task, entry_points, deepspeed_stage)
     assert ruff.returncode == 0, ruff.stdout
     scripts = [str(p) for p in project.glob("scripts/**/*") if p.suffix in (".sh", ".sbatch")]
     shellcheck = Path(sys.executable).parent / "shellcheck"
-    check = subprocess.run([str(shellcheck), *scripts], capture_output=True, text=True)
+    check = subprocess.run([str(shellcheck), "-x", *scripts], cwd=project, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
 
 
