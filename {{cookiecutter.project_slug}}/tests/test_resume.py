@@ -61,10 +61,18 @@ def assert_same_training(resumed: Run, straight: Run) -> float:
     return diff
 
 
-def launch_logged(cmd: list[str], env: dict, tmp_path: Path) -> subprocess.Popen:
-    """Start a run in the background, its output in files (a full pipe would stall it)."""
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=(tmp_path / "stdout").open("w"),
+@contextlib.contextmanager
+def background_run(cmd: list[str], env: dict, tmp_path: Path):
+    """A run in the background for the `with` block, then waited for; its output goes to files (a
+    full pipe would stall it), and if the block fails the run is killed with all its processes."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=(tmp_path / "stdout").open("w"),
                             stderr=(tmp_path / "stderr").open("w"), text=True)
+    try:
+        yield proc
+        proc.wait(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            signal_process_tree(proc.pid, signal.SIGKILL)
 
 
 def logs(tmp_path: Path) -> tuple[str, str]:
@@ -155,14 +163,9 @@ def test_preemption_signal_checkpoints_and_the_job_continues(entry, env, tmp_pat
     # As in scripts/slurm/common.sh: the launcher ignores the signal, the training processes handle it.
     cmd = ["bash", "-c", "trap '' USR1; exec \"$@\"", "bash", *launch_cmd(entry, 2), *flag_args(LONG),
            "--output_dir", str(out)]
-    proc = launch_logged(cmd, env, tmp_path)
-    try:
+    with background_run(cmd, env, tmp_path) as proc:
         wait_for_step(out, proc, 2)
         signal_process_tree(proc.pid, signal.SIGUSR1)  # every process of the job, launcher included
-        proc.wait(timeout=LAUNCH_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            signal_process_tree(proc.pid, signal.SIGKILL)
     stdout, stderr = logs(tmp_path)
     assert proc.returncode == 0, stderr[-3000:]
     steps = [r["step"] for r in Run(0, "", "", out).steps]
@@ -191,8 +194,7 @@ def test_killed_rank_restarts_from_the_last_checkpoint(runs, entry, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--max_restarts", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}",
            "-m", f"{SLUG}.train_{entry}"]
-    proc = launch_logged(cmd + flag_args(flags) + ["--output_dir", str(out)], runs.env, tmp_path)
-    try:
+    with background_run(cmd + flag_args(flags) + ["--output_dir", str(out)], runs.env, tmp_path) as proc:
         wait_for_step(out, proc, 15)  # past the checkpoint at step 10
         records = (out / "metrics.jsonl").read_text().splitlines()
         killed_at, killed_step = time.monotonic(), json.loads(records[-1])["step"]
@@ -203,10 +205,6 @@ def test_killed_rank_restarts_from_the_last_checkpoint(runs, entry, tmp_path):
             assert proc.poll() is None and time.monotonic() < killed_at + LAUNCH_TIMEOUT_S, logs(tmp_path)[1][-3000:]
             time.sleep(0.02)
         resumed_after = time.monotonic() - killed_at
-        proc.wait(timeout=LAUNCH_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            signal_process_tree(proc.pid, signal.SIGKILL)
     stdout, stderr = logs(tmp_path)
     assert proc.returncode == 0, stderr[-3000:]
     resumed_from = int(re.search(r"resuming after step (\d+)", stdout)[1])

@@ -87,6 +87,16 @@ class Session:
                 "grad_accum_steps": self.plan.grad_accum_steps,
                 "global_batch_size": self.plan.global_batch_size, "elapsed_s": round(elapsed_s, 3)}
 
+    @property
+    def final_dir(self) -> Path:
+        """Where the trained model goes: `save_pretrained` output plus the tokenizer."""
+        return Path(self.cfg.output_dir) / "final_model"
+
+    def done(self, step: int, tracker) -> None:
+        """The run's last words, once the entry point has saved the model in final_dir."""
+        print0(f"done: {step} steps; metrics in {tracker.path}, model in {self.final_dir}")
+        tracker.finish()
+
     def should_stop(self, step: int) -> bool:
         """After optimizer step `step` (counted in job_steps): must this job end here, with a
         checkpoint? At --stop_after_steps, or when any process got the preemption signal."""

@@ -22,7 +22,6 @@ when `accelerator.sync_gradients` is True. Four library behaviours are corrected
 """
 
 import math
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -115,13 +114,11 @@ def train(cfg: TrainConfig) -> None:
         if session.end_step(step, values, tracker, sync_counter, ends_epoch, run_eval, checkpoint):
             return
 
-    final = Path(cfg.output_dir) / "final_model"
-    unwrapped.save_pretrained(final, is_main_process=env.is_main_process,
+    unwrapped.save_pretrained(session.final_dir, is_main_process=env.is_main_process,
                               save_function=accelerator.save, state_dict=accelerator.get_state_dict(model))
     if env.is_main_process:
-        session.tokenizer.save_pretrained(final)
-        print0(f"done: {step} steps; metrics in {tracker.path}, model in {final}")
-    tracker.finish()
+        session.tokenizer.save_pretrained(session.final_dir)
+    session.done(step, tracker)
 
 
 def main() -> None:

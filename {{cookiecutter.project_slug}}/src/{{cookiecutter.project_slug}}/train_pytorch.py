@@ -116,11 +116,9 @@ def train(cfg: TrainConfig) -> None:
             return
 
     if env.is_main_process:
-        final = Path(cfg.output_dir) / "final_model"
-        model.save_pretrained(final)
-        session.tokenizer.save_pretrained(final)
-        print0(f"done: {step} steps; metrics in {tracker.path}, model in {final}")
-    tracker.finish()
+        model.save_pretrained(session.final_dir)
+        session.tokenizer.save_pretrained(session.final_dir)
+    session.done(step, tracker)
 
 
 def main() -> None:

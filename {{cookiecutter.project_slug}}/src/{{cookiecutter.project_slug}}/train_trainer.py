@@ -22,7 +22,6 @@ becomes `TrainingArguments`. What is ours on top:
 """
 
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -219,10 +218,8 @@ def train(cfg: TrainConfig) -> None:
         print0(session.stopping(trainer.state.global_step))
         tracker.finish()
         return
-    final = Path(cfg.output_dir) / "final_model"
-    trainer.save_model(final)
-    print0(f"done: {trainer.state.global_step} steps; metrics in {tracker.path}, model in {final}")
-    tracker.finish()
+    trainer.save_model(session.final_dir)
+    session.done(trainer.state.global_step, tracker)
 
 
 def main() -> None:
