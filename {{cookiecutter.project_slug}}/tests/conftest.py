@@ -46,7 +46,8 @@ ACCUM = {"micro_batch_size": 2, **MATRIX}  # on 2 processes: accumulation 4
 def short_windows(dataset: Path) -> dict:
     """2 epochs of `small_dataset` in windows of 16, 16 and 5 examples, plain SGD: parameters move
     by exactly lr x gradient, so a mis-scaled window shows (Adam would hide it)."""
-    return {"dataset": dataset, "num_epochs": 2, "optimizer": "sgd", "learning_rate": 0.1, "global_batch_size": 16}
+    return {"dataset": dataset, "num_epochs": 2, "optimizer": "sgd", "learning_rate": 0.1,
+            "global_batch_size": GLOBAL_BATCH}
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,14 @@ def launch_cmd(entry: str, nproc: int) -> list[str]:
         return [sys.executable, "-m", module]
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
             str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", module]
+
+
+def c10d_launch_cmd(entry: str, nnodes: int, nproc_per_node: int, port: int, *agent_args: str) -> list[str]:
+    """torchrun with a c10d rendezvous on 127.0.0.1:`port`, as scripts/slurm/torchrun.sbatch starts
+    it on each node; `agent_args` are further torchrun options (--node_rank, --max_restarts)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node",
+            str(nproc_per_node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", *agent_args,
+            "-m", f"{SLUG}.train_{entry}"]
 
 
 def flag_args(flags: dict | None = None) -> list[str]:

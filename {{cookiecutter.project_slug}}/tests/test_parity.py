@@ -30,6 +30,7 @@ from conftest import (
     TASK,
     TOL,
     Run,
+    c10d_launch_cmd,
     flag_args,
     free_port,
     max_abs_diff,
@@ -103,10 +104,8 @@ def test_two_torchrun_agents_train_like_one_node(runs, entry, tmp_path):
     one_node = cell(runs, entry, 2, 4)
     port, out = free_port(), tmp_path / "two_nodes"
     agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank),
-         "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
-         "--rdzv_id", "two-nodes", "-m", f"{SLUG}.train_{entry}", *flag_args({"micro_batch_size": 2, **MATRIX}),
-         "--output_dir", str(out)],
+        [*c10d_launch_cmd(entry, 2, 1, port, "--node_rank", str(node_rank), "--rdzv_id", "two-nodes"),
+         *flag_args({"micro_batch_size": 2, **MATRIX}), "--output_dir", str(out)],
         cwd=ROOT, env=runs.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node_rank in (0, 1)]
     logs = [agent.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(log[-2000:] for log in logs)

@@ -9,7 +9,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from conftest import (
     SLUG,
     TOL,
     Run,
+    c10d_launch_cmd,
     flag_args,
     free_port,
     launch_cmd,
@@ -191,9 +191,7 @@ def test_killed_rank_restarts_from_the_last_checkpoint(runs, entry, tmp_path):
     out = tmp_path / "crashed"
     # c10d rendezvous, as scripts/slurm/torchrun.sbatch uses (the static one works too: the restarted
     # workers' rendezvous keys are kept apart from the killed ones', distributed.init_distributed)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--max_restarts", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}",
-           "-m", f"{SLUG}.train_{entry}"]
+    cmd = c10d_launch_cmd(entry, 1, 2, free_port(), "--max_restarts", "1")
     with background_run(cmd + flag_args(flags) + ["--output_dir", str(out)], runs.env, tmp_path) as proc:
         wait_for_step(out, proc, 15)  # past the checkpoint at step 10
         records = (out / "metrics.jsonl").read_text().splitlines()
