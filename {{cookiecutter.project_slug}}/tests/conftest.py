@@ -153,6 +153,14 @@ def c10d_launch_cmd(entry: str, nnodes: int, nproc_per_node: int, port: int, *ag
             "-m", f"{SLUG}.train_{entry}"]
 
 
+def accelerate_launch(config: str, nproc: int, env: dict, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """train_accelerate under `accelerate launch --config_file configs/accelerate/<config>.yaml`."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/{config}.yaml",
+           "--num_processes", str(nproc), "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
+           "-m", f"{SLUG}.train_accelerate", "--report_to", "none", "--output_dir", str(out), *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+
+
 def flag_args(flags: dict | None = None) -> list[str]:
     """FAST, then `flags`, as command-line flags."""
     return [arg for key, value in {**FAST, **(flags or {})}.items() for arg in (f"--{key}", str(value))]
@@ -193,11 +201,12 @@ def runs(tmp_path_factory) -> RunCache:
 
 @pytest.fixture(scope="session")
 def small_dataset(tmp_path_factory) -> Path:
-    """The first 37 training and 11 validation examples of the task's data, so that windows of 16
-    or 24 examples leave a short last window in every epoch."""
+    """The first 37 training and 9 validation examples of the task's data, so that windows of 16
+    or 24 examples leave a short last window in every epoch, and 2 processes evaluate shards of 5
+    and 4 examples (at micro batch 2 or 4, a different number of batches)."""
     folder = tmp_path_factory.mktemp("small")
     source = ROOT / "src" / SLUG / "assets" / "data" / TASK
-    for split, n in (("train", 37), ("validation", 11)):
+    for split, n in (("train", 37), ("validation", 9)):
         rows = (source / f"{split}.jsonl").read_text().splitlines()[:n]
         (folder / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
     return folder

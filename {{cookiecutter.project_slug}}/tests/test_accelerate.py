@@ -9,7 +9,7 @@ import sys
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import ROOT, SLUG, free_port, max_abs_diff, report, run_entry, worker_error_lines
+from conftest import ROOT, SLUG, accelerate_launch, free_port, max_abs_diff, report, run_entry, worker_error_lines
 
 CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 DEEPSPEED = sorted((ROOT / "configs" / "deepspeed").glob("*.json"))
@@ -26,13 +26,6 @@ def test_accelerate_config_loads(path):
         stage = path.stem[-1]
         ds_file = ROOT / config.deepspeed_config["deepspeed_config_file"]
         assert ds_file.name == f"zero{stage}.json" and ds_file.is_file()
-
-
-def accelerate_launch(config: str, nproc: int, env: dict, out, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/{config}.yaml",
-           "--num_processes", str(nproc), "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
-           "-m", f"{SLUG}.train_accelerate", "--report_to", "none", "--output_dir", str(out), *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("config,nproc", [("single", 1), ("multi_gpu", 2), ("deepspeed_zero2", 2)])
@@ -66,15 +59,21 @@ def test_deepspeed_trains_like_ddp(runs, stage):
 @pytest.mark.skipif(not DEEPSPEED, reason="no DeepSpeed configs generated (deepspeed_stage: none)")
 def test_deepspeed_boundary_follows_short_windows(runs, small_dataset):
     # 37 examples, 2 processes, micro 4, global 24: accumulation 3, and each epoch ends in a short
-    # window of 13 examples (2 micro-steps), where DeepSpeed's boundary must follow ours
+    # window of 13 examples (2 micro-steps), where DeepSpeed's boundary must follow ours. ZeRO-3:
+    # every forward gathers the parameters from all ranks, so evaluation (9 examples: 2 batches on
+    # one rank, 1 on the other) must run the same number of batches everywhere or it waits forever.
     flags = {**SGD, "micro_batch_size": 4, "global_batch_size": 24, "max_steps": -1, "num_epochs": 2,
              "dataset": small_dataset}
     ddp = runs("accelerate", 2, **flags)
-    ds = runs("accelerate", 2, deepspeed="configs/deepspeed/zero2.json", **flags)
+    ds = runs("accelerate", 2, deepspeed="configs/deepspeed/zero3.json", **flags)
     assert [r["micro_steps"] for r in ds.steps] == [r["micro_steps"] for r in ddp.steps] == [3, 2, 3, 2]
     assert [r["tokens"] for r in ds.steps] == [r["tokens"] for r in ddp.steps]
+    assert [e["step"] for e in ds.evals] == [e["step"] for e in ddp.evals] == [2, 4]
+    for a, b in zip(ds.evals, ddp.evals, strict=True):
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], abs=1e-5)
     diff = max_abs_diff(ddp.params(), ds.params())
-    report(f"DeepSpeed zero2 vs DDP with short windows (accelerate): max |param diff| {diff:.3g}")
+    report(f"DeepSpeed zero3 vs DDP with short windows and uneven evaluation shards (accelerate): "
+           f"max |param diff| {diff:.3g}")
     assert diff <= 1e-5
 
 

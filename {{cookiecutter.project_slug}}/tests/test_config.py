@@ -33,7 +33,7 @@ def test_flags_override_the_file(tmp_path):
     ("max_steps: 1.5\n", "invalid int value: '1.5'"),
     ("learning_rate: fast\n", "invalid float value: 'fast'"),
     ("task: translation\n", "invalid choice: 'translation'"),
-    ("micro_batch_size: 0\n", "micro_batch_size must be >= 1, got 0"),
+    ("micro_batch_size: 0\n", "micro_batch_size must be >= 1 or auto, got 0"),
     ("max_steps: 0\n", "max_steps must be -1 (train num_epochs) or >= 1, got 0"),
     ("- a list\n", "must hold a mapping"),
     ("seed: [1, 2]\n", "must be a single value"),

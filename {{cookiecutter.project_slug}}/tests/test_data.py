@@ -75,14 +75,19 @@ def test_collator_pads_right_and_masks_padding_and_fillers(lm):
     assert count_targets(batch["labels"], "causal_lm") == sum(n - 1 for n in lengths[:6])
 
 
-def test_eval_shards_count_every_example_once(lm):
+@pytest.mark.parametrize("world_size,batch_size", [(3, 8), (3, 1), (8, 1), (2, 7)])
+def test_eval_shards_count_every_example_once(lm, world_size, batch_size):
+    """Each example once over all ranks, and the same number of batches on every rank (ZeRO-3 and
+    FSDP forwards are collectives): a rank with a smaller share runs filler batches."""
     cfg, tokenizer, data = lm
     collator = Collator(tokenizer, "causal_lm")
-    total = 0
-    for rank in range(3):
-        for batch in eval_dataloader(data["validation"], rank, 3, 8, collator):
-            total += int((batch["labels"][:, 0] != IGNORE_INDEX).sum())
+    total, batches = 0, []
+    for rank in range(world_size):
+        loader = list(eval_dataloader(data["validation"], rank, world_size, batch_size, collator))
+        batches.append(len(loader))
+        total += sum(int((batch["labels"][:, 0] != IGNORE_INDEX).sum()) for batch in loader)
     assert total == len(data["validation"])
+    assert len(set(batches)) == 1
 
 
 def test_classification_labels(tmp_path):

@@ -26,6 +26,16 @@ class ConfigError(Exception):
     """A mistake the user can fix: bad config, bad flag, missing input. Exit code 2."""
 
 
+def whole_or_auto(value) -> int | str:
+    """The type of micro_batch_size: a whole number, or "auto" (the largest that fits in memory)."""
+    if str(value) == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: a whole number or auto") from None
+
+
 def _doc(text: str, default):
     return field(default=default, metadata={"help": text})
 
@@ -53,8 +63,13 @@ class TrainConfig:
     num_epochs: int = _doc("Epochs to train when max_steps is -1.", 3)
 
     # Batch maths: grad_accum_steps = global_batch_size / (micro_batch_size * world_size).
-    micro_batch_size: int = _doc("Examples per forward pass on each process.", 8)
+    micro_batch_size: whole_or_auto = _doc(
+        "Examples per forward pass on each process; auto: the largest that fits in memory (from "
+        "global_batch_size / world_size, halved until one micro-step fits).", 8)
     global_batch_size: int = _doc("Examples per optimizer step, summed over processes.", 64)
+    memory_budget_mb: float = _doc(
+        "With micro_batch_size auto: the peak MiB one micro-step may use (0: the device's memory, "
+        "found by trying; on CPU a budget is needed to search).", 0.0)
 
     # Optimisation.
     optimizer: Literal["adamw", "sgd", "adafactor"] = _doc(
@@ -68,6 +83,8 @@ class TrainConfig:
     max_grad_norm: float = _doc("Clip the global gradient norm to this; 0 disables clipping.", 1.0)
     mixed_precision: Literal["no", "bf16", "fp16"] = _doc(
         "Autocast the forward pass in bf16 or fp16 (fp16 adds a gradient scaler).", "no")
+    fp16_init_scale: float = _doc(
+        "fp16's first loss scale; halved (and the step skipped) on every overflow.", 65536.0)
     gradient_checkpointing: bool = _doc("Recompute activations in the backward pass.", False)
 
     # Evaluation, logging, checkpoints.
@@ -95,11 +112,13 @@ class TrainConfig:
     ddp_bucket_cap_mb: float = _doc("DDP gradient bucket size in MiB.", 25.0)
 
     def __post_init__(self) -> None:
-        positive = ("max_seq_len", "num_epochs", "micro_batch_size", "global_batch_size")
+        positive = ("max_seq_len", "num_epochs", "global_batch_size", "fp16_init_scale")
+        if self.micro_batch_size != "auto" and self.micro_batch_size < 1:
+            raise ConfigError(f"micro_batch_size must be >= 1 or auto, got {self.micro_batch_size}")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        non_negative = ("warmup_steps", "weight_decay", "max_grad_norm", "eval_every",
+        non_negative = ("warmup_steps", "weight_decay", "max_grad_norm", "eval_every", "memory_budget_mb",
                         "save_steps", "save_total_limit", "stop_after_steps")
         for name in non_negative:
             if getattr(self, name) < 0:

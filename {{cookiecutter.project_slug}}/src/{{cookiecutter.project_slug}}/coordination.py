@@ -9,11 +9,32 @@ count the same micro-steps and the engine's accumulation boundary is our window'
 """
 
 import json
+import math
 import os
 from pathlib import Path
 
 from .batch import BatchPlan
 from .config import ConfigError, TrainConfig
+from .distributed import DistEnv
+
+
+def check_back_end(cfg: TrainConfig, env: DistEnv, on_accelerate: bool) -> None:
+    """Refuse what an entry point cannot run, instead of letting it train something else silently.
+
+    `on_accelerate`: the entry point runs on Accelerate (train_accelerate, train_trainer)."""
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if not on_accelerate and deepspeed_config_path(cfg):
+        raise ConfigError("train_pytorch does not run DeepSpeed; use train_accelerate or train_trainer with "
+                          "--deepspeed, or drop --deepspeed")
+    if not on_accelerate and fsdp:
+        raise ConfigError("train_pytorch runs DDP, not FSDP; launch train_accelerate with "
+                          "configs/accelerate/fsdp.yaml, or use configs/accelerate/multi_gpu.yaml")
+    if fsdp and env.device.type == "cpu":
+        raise ConfigError("FSDP needs GPUs: on CPU Accelerate ignores the FSDP config and would train plain DDP; "
+                          "use configs/accelerate/multi_gpu.yaml on CPU, fsdp.yaml on GPUs")
+    if on_accelerate and cfg.mixed_precision == "fp16" and env.device.type == "cpu":
+        raise ConfigError("mixed_precision fp16 on CPU: Accelerate (and the Trainer on it) runs no fp16 autocast "
+                          "or loss scaling on CPU and would train in fp32; use bf16 on CPU, or train_pytorch")
 
 
 def check_launcher_env(plan: BatchPlan) -> None:
@@ -74,5 +95,16 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict | None:
             raise ConfigError(
                 f"DeepSpeed config {path} sets {precision}.enabled {section['enabled']} but "
                 f"mixed_precision is {cfg.mixed_precision!r}; set it to \"auto\""
+            )
+    if cfg.mixed_precision == "fp16":  # DeepSpeed's own loss scaler starts at 2**initial_scale_power
+        power = math.log2(cfg.fp16_init_scale)
+        theirs = config["fp16"].get("initial_scale_power", "auto")
+        if theirs == "auto" and power.is_integer():
+            config["fp16"]["initial_scale_power"] = int(power)
+        elif theirs == "auto" or float(theirs) != power:
+            raise ConfigError(
+                f"DeepSpeed config {path}: fp16 initial_scale_power {theirs!r} and fp16_init_scale "
+                f"{cfg.fp16_init_scale:g} disagree; DeepSpeed needs a power of 2: set fp16_init_scale to one "
+                "and initial_scale_power to \"auto\""
             )
     return config

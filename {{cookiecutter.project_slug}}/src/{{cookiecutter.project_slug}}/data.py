@@ -180,7 +180,13 @@ def train_dataloader(train_set, sampler: WindowSampler, collator: Collator) -> W
 
 def eval_dataloader(eval_set, rank: int, world_size: int, batch_size: int,
                     collator: Collator) -> DataLoader:
-    """This rank's strided share of the evaluation set: every example exactly once overall."""
+    """This rank's strided share of the evaluation set: every example exactly once overall.
+
+    Every rank runs the same number of batches (that of rank 0, which has the largest share): a
+    rank with fewer runs a filler batch (no real targets) for each one it lacks, since a sharded
+    model's forward (ZeRO-3, FSDP) is a collective that all ranks must join."""
     shard = list(range(rank, len(eval_set), world_size))
     batches = [[(i, True) for i in shard[j:j + batch_size]] for j in range(0, len(shard), batch_size)]
+    per_rank = math.ceil(math.ceil(len(eval_set) / world_size) / batch_size)
+    batches += [[(0, False)]] * (per_rank - len(batches))
     return DataLoader(_Marked(eval_set), batch_sampler=batches, collate_fn=collator)

@@ -104,6 +104,13 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
+    """The smallest value over all processes, in place (no-op for one process)."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return tensor
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -116,20 +123,25 @@ def print0(*args, **kwargs) -> None:
 
 
 class GradSyncCounter:
-    """Counts DDP's gradient all-reduce calls (one per bucket per synchronised backward pass).
+    """Counts DDP's gradient all-reduce calls (one per bucket per synchronised backward pass) and
+    the bytes they send (each bucket's flat gradient buffer).
 
     Installed as a DDP communication hook that wraps the default all-reduce, so it counts what
-    DDP really sends; `take()` returns the count since the last call and resets it.
+    DDP really sends; `take()` returns the calls since its last call and resets them, and
+    `take_bytes()` does the same for the bytes (the communication benchmark reads both).
     """
 
     def __init__(self, ddp_model) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         self.calls = 0
+        self.bytes = 0
         self._allreduce = default_hooks.allreduce_hook
 
         def hook(state, bucket):
+            buffer = bucket.buffer()
             self.calls += 1
+            self.bytes += buffer.numel() * buffer.element_size()
             return self._allreduce(state, bucket)
 
         ddp_model.register_comm_hook(None, hook)
@@ -137,3 +149,7 @@ class GradSyncCounter:
     def take(self) -> int:
         calls, self.calls = self.calls, 0
         return calls
+
+    def take_bytes(self) -> int:
+        sent, self.bytes = self.bytes, 0
+        return sent

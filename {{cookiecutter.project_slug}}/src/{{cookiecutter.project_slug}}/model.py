@@ -10,6 +10,7 @@ micro-batches on n processes then gives exactly the gradient of the mean loss of
 however the padding falls.
 """
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from .config import ConfigError, TrainConfig
 from .data import ASSETS, IGNORE_INDEX
 
 TINY = "tiny"
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _hub_error(name: str, err: Exception) -> ConfigError:
@@ -86,9 +88,17 @@ def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
         model = auto.from_pretrained(cfg.model_name_or_path, config=config, dtype=torch.float32)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with DDP's no_sync and with unused parameters.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
+
+
+def autocast_for(cfg: TrainConfig, device: torch.device):
+    """The forward pass's autocast for `mixed_precision` (a no-op context for "no"). The weights,
+    gradients and optimizer state stay fp32; the loss is computed in fp32 (summed_loss)."""
+    if cfg.mixed_precision == "no":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[cfg.mixed_precision])
 
 
 def _targets(logits: torch.Tensor, labels: torch.Tensor, task: str):

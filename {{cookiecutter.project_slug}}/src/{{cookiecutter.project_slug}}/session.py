@@ -2,7 +2,9 @@
 accumulation windows, and decide when to evaluate, checkpoint and stop.
 
 `Session.start()` does every check a user's mistake can fail *before* any process group exists,
-so each process reports a ConfigError (exit 2) without waiting on another.
+so each process reports a ConfigError (exit 2) without waiting on another. (With
+`--micro_batch_size auto` the ranks meet once, to agree on the micro batch; every check after that
+fails the same way on every rank.)
 """
 
 from collections.abc import Iterator
@@ -11,10 +13,11 @@ from pathlib import Path
 
 from .batch import BatchPlan, plan_batches
 from .checkpoint import read_state, resolve_resume
-from .config import ConfigError, TrainConfig
-from .coordination import check_launcher_env, deepspeed_config
+from .config import TrainConfig
+from .coordination import check_back_end, check_launcher_env, deepspeed_config
 from .data import Collator, WindowSampler, eval_dataloader, load_raw_dataset, num_labels, tokenize, train_dataloader
-from .distributed import DistEnv, PreemptionSignal, dist_env, print0
+from .distributed import DistEnv, PreemptionSignal, dist_env, init_distributed, print0
+from .memory import auto_micro_batch_size, check_auto_micro_batch
 from .model import load_tokenizer, model_config
 from .optim import total_steps
 
@@ -37,22 +40,29 @@ class Session:
     stop_reason: str = ""
 
     @classmethod
-    def start(cls, cfg: TrainConfig, uses_deepspeed: bool) -> "Session":
+    def start(cls, cfg: TrainConfig, on_accelerate: bool) -> "Session":
+        """`on_accelerate`: the entry point runs on Accelerate (DeepSpeed, FSDP, its mixed precision)."""
         env = dist_env()
-        if cfg.deepspeed and not uses_deepspeed:
-            raise ConfigError("train_pytorch does not run DeepSpeed; use train_accelerate or "
-                              "train_trainer with --deepspeed, or drop --deepspeed")
-        plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, env.world_size)
-        check_launcher_env(plan)
-        ds_config = deepspeed_config(cfg, plan) if uses_deepspeed else None
+        check_back_end(cfg, env, on_accelerate)
+        auto = cfg.micro_batch_size == "auto"
+        if auto:
+            check_auto_micro_batch(cfg, env)
+        else:
+            plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, env.world_size)
         resume = resolve_resume(cfg)
         tokenizer = load_tokenizer(cfg)
         raw = load_raw_dataset(cfg)
         labels = num_labels(raw) if cfg.task == "sequence_classification" else 2
         config = model_config(cfg, tokenizer, labels)
         data = tokenize(raw, tokenizer, cfg)
-        sampler = WindowSampler(len(data["train"]), plan, env.rank, cfg.seed)
         start_step = read_state(resume)["step"] if resume else 0
+        if auto:  # the one search needs the process group: every rank must agree on the result
+            init_distributed(env)
+            micro_batch_size, chosen_by = auto_micro_batch_size(cfg, config, env)
+            plan = plan_batches(cfg.global_batch_size, micro_batch_size, env.world_size, chosen_by)
+        check_launcher_env(plan)
+        ds_config = deepspeed_config(cfg, plan) if on_accelerate else None
+        sampler = WindowSampler(len(data["train"]), plan, env.rank, cfg.seed)
         return cls(cfg, env, plan, resume, tokenizer, config, data, sampler,
                    total_steps(cfg, sampler.steps_per_epoch), ds_config, PreemptionSignal(), start_step)
 
@@ -66,7 +76,7 @@ class Session:
         collator = Collator(self.tokenizer, self.cfg.task)
         train = train_dataloader(self.data["train"], self.sampler, collator)
         evaluation = eval_dataloader(self.data["validation"], self.env.rank, self.env.world_size,
-                                     self.cfg.micro_batch_size, collator)
+                                     self.plan.micro_batch_size, collator)
         return train, evaluation
 
     def windows(self, loader) -> Iterator[tuple[int, list[dict], bool]]:

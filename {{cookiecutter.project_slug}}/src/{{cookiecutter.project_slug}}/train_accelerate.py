@@ -25,7 +25,12 @@ import math
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, GradientAccumulationPlugin
+from accelerate.utils import (
+    DeepSpeedPlugin,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import save_checkpoint
@@ -62,15 +67,18 @@ def train_step(accelerator: Accelerator, model, window: list[dict], optimizer, l
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
             optimizer.step()
             if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                lr_scheduler.step()
+                lr_scheduler.step()  # fp16: a step skipped for overflow leaves the schedule
             optimizer.zero_grad()
         loss_sum += loss.detach().double()
-    return {"loss": all_reduce_sum(loss_sum).item() / num_targets, "lr": lr,
-            "grad_norm": float(grad_norm), "tokens": int(num_targets), "micro_steps": len(window)}
+    values = {"loss": all_reduce_sum(loss_sum).item() / num_targets, "lr": lr,
+              "grad_norm": float(grad_norm), "tokens": int(num_targets), "micro_steps": len(window)}
+    if accelerator.mixed_precision == "fp16":
+        values["step_skipped"] = accelerator.optimizer_step_was_skipped
+    return values
 
 
 def train(cfg: TrainConfig) -> None:
-    session = Session.start(cfg, uses_deepspeed=True)  # every input check, before any waiting
+    session = Session.start(cfg, on_accelerate=True)  # every input check, before any waiting
     env = session.env
     model = build_model(cfg, session.model_config)
     optimizer = build_optimizer(model, cfg)
@@ -88,7 +96,8 @@ def train(cfg: TrainConfig) -> None:
         mixed_precision=cfg.mixed_precision,
         step_scheduler_with_optimizer=False,
         log_with="wandb" if cfg.report_to == "wandb" else None,
-        kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb)],
+        kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb),
+                         GradScalerKwargs(init_scale=cfg.fp16_init_scale)],
         deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=session.deepspeed) if session.deepspeed else None,
     )
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)

@@ -14,6 +14,8 @@ micro-batch's loss is its summed token loss divided by the real targets of the w
 all ranks (times world_size, because DDP averages over ranks), so the accumulated gradient is
 exactly the gradient of the global batch's mean loss. `optimizer.step()`,
 `lr_scheduler.step()` and `optimizer.zero_grad()` run only at the window's end, after clipping.
+With fp16 the gradient scaler unscales once, at the window's end before clipping; a step it skips
+for overflow does not move the schedule (nor the optimizer's own step count).
 """
 
 import math
@@ -29,12 +31,10 @@ from .checkpoint import load_rng, save_checkpoint, save_rng
 from .config import TrainConfig, run_cli
 from .distributed import DistEnv, GradSyncCounter, all_reduce_sum, init_distributed, print0
 from .evaluation import evaluate
-from .model import build_model, count_targets, summed_loss
+from .model import autocast_for, build_model, count_targets, summed_loss
 from .optim import build_optimizer, build_scheduler
 from .session import Session
 from .tracking import Tracker
-
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def train_step(ddp_model, window: list[dict], optimizer, lr_scheduler, scaler, cfg: TrainConfig,
@@ -60,21 +60,27 @@ def train_step(ddp_model, window: list[dict], optimizer, lr_scheduler, scaler, c
     scaler.unscale_(optimizer)  # once per optimizer step, before clipping
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
     lr = optimizer.param_groups[0]["lr"]
-    scaler.step(optimizer)
-    scaler.update()
-    lr_scheduler.step()
+    scale = scaler.get_scale() if scaler.is_enabled() else None
+    scaler.step(optimizer)  # fp16: skipped when the gradients overflowed
+    scaler.update()  # ... and then the scale is halved
+    values = {"loss": all_reduce_sum(loss_sum).item() / num_targets, "lr": lr, "grad_norm": grad_norm.item(),
+              "tokens": int(num_targets), "micro_steps": len(window)}
+    if scale is not None:
+        values["step_skipped"] = scaler.get_scale() < scale
+    if not values.get("step_skipped"):  # a skipped step leaves the schedule where it is
+        lr_scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": all_reduce_sum(loss_sum).item() / num_targets, "lr": lr,
-            "grad_norm": grad_norm.item(), "tokens": int(num_targets), "micro_steps": len(window)}
+    return values
 
 
 def train(cfg: TrainConfig) -> None:
-    session = Session.start(cfg, uses_deepspeed=False)  # every input check, before any waiting
+    session = Session.start(cfg, on_accelerate=False)  # every input check, before any waiting
     env = session.env
     model = build_model(cfg, session.model_config).to(env.device)
     optimizer = build_optimizer(model, cfg)
     lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps)
-    scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.mixed_precision == "fp16")
+    scaler = torch.amp.GradScaler(env.device.type, init_scale=cfg.fp16_init_scale,
+                                  enabled=cfg.mixed_precision == "fp16")
     if session.resume is not None:
         load_model(model, str(session.resume / "model.safetensors"), device=str(env.device))
         state = torch.load(session.resume / "training_state.pt", map_location=env.device, weights_only=False)
@@ -90,8 +96,7 @@ def train(cfg: TrainConfig) -> None:
         ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                         bucket_cap_mb=cfg.ddp_bucket_cap_mb)
         sync_counter = GradSyncCounter(ddp_model)
-    autocast = partial(torch.autocast, device_type=env.device.type,
-                       dtype=AMP_DTYPES.get(cfg.mixed_precision), enabled=cfg.mixed_precision != "no")
+    autocast = partial(autocast_for, cfg, env.device)
     train_loader, eval_loader = session.loaders()
     tracker = Tracker(cfg, env, session.plan, resumed=session.resume is not None)
 

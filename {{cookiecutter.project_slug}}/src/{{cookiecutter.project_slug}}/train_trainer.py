@@ -25,6 +25,7 @@ from functools import partial
 
 import numpy as np
 import torch
+from accelerate.utils import GradScalerKwargs
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -46,8 +47,8 @@ def training_arguments(cfg: TrainConfig, session: Session) -> TrainingArguments:
     publishes each one atomically as step_<N>, like the other entry points."""
     return TrainingArguments(
         output_dir=str(checkpoints_dir(cfg.output_dir)),
-        per_device_train_batch_size=cfg.micro_batch_size,
-        per_device_eval_batch_size=cfg.micro_batch_size,
+        per_device_train_batch_size=session.plan.micro_batch_size,
+        per_device_eval_batch_size=session.plan.micro_batch_size,
         gradient_accumulation_steps=session.plan.grad_accum_steps,
         max_steps=session.total_steps,
         learning_rate=cfg.learning_rate,
@@ -82,8 +83,13 @@ class WindowTrainer(Trainer):
     from TrainingArguments, which would differ from the other entry points)."""
 
     def __init__(self, *args, session: Session, train_loader, **kwargs):
+        self.session, self.train_loader = session, train_loader  # before __init__ builds the Accelerator
         super().__init__(*args, **kwargs)
-        self.session, self.train_loader = session, train_loader
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        args = super()._build_accelerator_args(**kwargs)
+        args["kwargs_handlers"].append(GradScalerKwargs(init_scale=self.session.cfg.fp16_init_scale))
+        return args
 
     def get_train_dataloader(self):
         return self.train_loader
@@ -106,6 +112,7 @@ class RunRecorder(TrainerCallback):
         self.session, self.tracker = session, tracker
         self.loss_sum = torch.zeros((), dtype=torch.float64)
         self.micro_steps, self.num_targets, self.lr, self.sync_counter = 0, 0, None, None
+        self.step_skipped = None
         self.stopped = False
         self.trainer = None
 
@@ -131,6 +138,8 @@ class RunRecorder(TrainerCallback):
         self.session.sampler.set_epoch(state.global_step // self.session.sampler.steps_per_epoch)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if args.fp16:  # the Trainer moved the schedule only when the scaler did not skip this step
+            self.step_skipped = self.trainer.accelerator.optimizer_step_was_skipped
         self.session.job_steps += 1
         if self.session.should_stop(state.global_step):
             control.should_save = control.should_training_stop = True
@@ -154,6 +163,8 @@ class RunRecorder(TrainerCallback):
             loss = all_reduce_sum(self.loss_sum.to(args.device)).item() / max(self.num_targets, 1)
             values = {"loss": loss, "lr": self.lr, "grad_norm": logs.get("grad_norm"),
                       "tokens": self.num_targets, "micro_steps": self.micro_steps}
+            if self.step_skipped is not None:
+                values["step_skipped"] = self.step_skipped
             if self.sync_counter is not None:
                 values["grad_sync_calls"] = self.sync_counter.take()
             self.tracker.log(self.session.record(state.global_step, values, self.tracker.elapsed()))
@@ -189,7 +200,7 @@ def compute_metrics(eval_prediction, task: str, num_labels: int) -> dict:
 
 
 def train(cfg: TrainConfig) -> None:
-    session = Session.start(cfg, uses_deepspeed=True)  # every input check, before any waiting
+    session = Session.start(cfg, on_accelerate=True)  # every input check, before any waiting
     model = build_model(cfg, session.model_config)
     init_distributed(session.env)  # the process group the Trainer then uses
     args = training_arguments(cfg, session)

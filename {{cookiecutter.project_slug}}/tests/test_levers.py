@@ -1,0 +1,173 @@
+"""The memory levers, with accumulation, in every entry point: fp16 loss scaling, gradient
+checkpointing, the optimizers and schedules, FSDP, and the micro batch found from memory
+(`--micro_batch_size auto`). README, "Memory levers"."""
+
+import pytest
+import torch
+
+from {{ cookiecutter.project_slug }}.config import load_config
+from {{ cookiecutter.project_slug }}.data import load_raw_dataset, num_labels
+from {{ cookiecutter.project_slug }}.memory import MIB, training_step_peak
+from {{ cookiecutter.project_slug }}.model import load_tokenizer, model_config
+
+from conftest import (
+    ACCUM,
+    ENTRIES,
+    GPUS,
+    MIXED_PRECISION,
+    ROOT,
+    TOL,
+    Run,
+    accelerate_launch,
+    flag_args,
+    max_abs_diff,
+    max_loss_diff,
+    report,
+    run_entry,
+)
+
+CONFIG = str(ROOT / "configs" / "train.yaml")
+DEVICE = torch.device("cuda", 0) if GPUS else torch.device("cpu")
+# fp16 runs: global batch 2 of single examples, 12 steps of a linear schedule after 2 warmup steps;
+# the checkpoint of the last step holds the optimizer's and the schedule's own step counts.
+FP16 = {"mixed_precision": "fp16", "micro_batch_size": 1, "global_batch_size": 2, "max_steps": 12,
+        "warmup_steps": 2, "lr_scheduler_type": "linear", "save_steps": 12}
+
+
+def linear_lr(peak: float, applied: int, warmup: int, total: int) -> float:
+    """The lr of the schedule after `applied` scheduler steps: warmup from 0, then linear to 0."""
+    return peak * applied / warmup if applied < warmup else peak * max(0, total - applied) / (total - warmup)
+
+
+def config_for(*flags: str):
+    """The run's TrainConfig and model config, as an entry point builds them."""
+    cfg = load_config(["--config", CONFIG, "--max_seq_len", "48", "--mixed_precision", MIXED_PRECISION, *flags])
+    tokenizer = load_tokenizer(cfg)
+    labels = num_labels(load_raw_dataset(cfg)) if cfg.task == "sequence_classification" else 2
+    return cfg, model_config(cfg, tokenizer, labels)
+
+
+@pytest.fixture(scope="module")
+def fp16_runs(runs):
+    """Without accumulation (2 processes x 1 micro-batch) and with it (1 process x 2 micro-batches):
+    the same examples in the same micro-batches. The 2-process run multiplies each micro-batch's
+    loss by world_size 2 (DDP averages), so its fp16 gradients equal the 1-process run's at twice the
+    loss scale: started at 2**24 and 2**25, both overflow in the same fp16 operations, exactly."""
+    if "pytorch" not in ENTRIES:
+        pytest.skip("fp16 on CPU runs in train_pytorch only (Accelerate has no CPU fp16)")
+    return (runs("pytorch", 2, fp16_init_scale=2**24, **FP16),
+            runs("pytorch", 1, fp16_init_scale=2**25, **FP16))
+
+
+def test_fp16_with_accumulation_takes_the_decisions_of_one_big_batch(fp16_runs):
+    without, within = fp16_runs
+    decisions = [r["step_skipped"] for r in without.steps]
+    report(f"fp16 steps skipped for overflow (S) or applied (.), without / with accumulation: "
+           f"{''.join('S' if d else '.' for d in decisions)} / "
+           f"{''.join('S' if r['step_skipped'] else '.' for r in within.steps)}")
+    assert any(decisions) and not all(decisions)  # both kinds of step happened
+    assert [r["step_skipped"] for r in within.steps] == decisions
+    assert [r["lr"] for r in within.steps] == [r["lr"] for r in without.steps]
+    assert [r["micro_steps"] for r in within.steps] == [2] * 12
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["without_accumulation", "with_accumulation"])
+def test_fp16_skipped_step_moves_neither_schedule_nor_optimizer(fp16_runs, which):
+    run = fp16_runs[which]
+    peak = load_config(["--config", CONFIG]).learning_rate
+    applied = 0
+    for record in run.steps:
+        assert record["lr"] == pytest.approx(linear_lr(peak, applied, 2, 12), rel=1e-12, abs=1e-15)
+        applied += not record["step_skipped"]
+    state = torch.load(run.output_dir / "checkpoints" / "step_12" / "training_state.pt", weights_only=False)
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {applied}  # AdamW's bias correction
+    assert state["lr_scheduler"]["last_epoch"] == applied
+
+
+@pytest.mark.skipif(GPUS > 0, reason="on GPUs Accelerate runs fp16")
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if e != "pytorch"])
+def test_fp16_on_cpu_is_refused_where_accelerate_would_train_fp32(entry, env, tmp_path):
+    run = run_entry(entry, 1, tmp_path / "out", env, {"mixed_precision": "fp16"})
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1].startswith("error: mixed_precision fp16 on CPU: Accelerate")
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_gradient_checkpointing_trains_the_same(runs, entry):
+    """Recomputed activations, 2 processes x accumulation 4 under no_sync: the same gradients (so
+    the same parameters) and the same single all-reduce per bucket per optimizer step."""
+    plain, checkpointed = runs(entry, 2, **ACCUM), runs(entry, 2, gradient_checkpointing="true", **ACCUM)
+    assert [r["grad_sync_calls"] for r in checkpointed.steps] == [r["grad_sync_calls"] for r in plain.steps]
+    param_diff, loss_diff = max_abs_diff(checkpointed.params(), plain.params()), max_loss_diff(checkpointed, plain)
+    report(f"gradient checkpointing vs none ({entry}, 2 x 4): max |param diff| {param_diff:.3g}, "
+           f"max |loss diff| {loss_diff:.3g}")
+    assert loss_diff <= TOL.loss
+    assert param_diff <= TOL.param
+
+
+def test_gradient_checkpointing_lowers_the_peak():
+    peaks = {on: training_step_peak(*config_for("--gradient_checkpointing", on), 8, DEVICE) for on in ("false", "true")}
+    report(f"peak of one training step, micro batch 8 x 48 tokens on {DEVICE.type}: {peaks['false'] / MIB:.2f} MiB, "
+           f"with gradient checkpointing {peaks['true'] / MIB:.2f} MiB")
+    assert peaks["true"] < peaks["false"]
+
+
+@pytest.mark.parametrize("optimizer,schedule", [("sgd", "linear"), ("adafactor", "constant")])
+def test_optimizers_and_schedules_are_the_same_in_every_entry(runs, optimizer, schedule):
+    """(adamw with cosine is the parity matrix's.) Every entry applies the same lr at every step,
+    the schedule's closed form, and trains the same parameters."""
+    flags = {"optimizer": optimizer, "lr_scheduler_type": schedule, "micro_batch_size": 4,
+             "global_batch_size": 16, "max_steps": 6, "warmup_steps": 2}
+    results = {entry: runs(entry, 1, **flags) for entry in ENTRIES}
+    peak = load_config(["--config", CONFIG]).learning_rate
+    after = [linear_lr(peak, n, 2, 6) if schedule == "linear" else peak * min(1.0, n / 2) for n in range(6)]
+    reference = results[ENTRIES[0]]
+    assert [r["lr"] for r in reference.steps] == pytest.approx(after, rel=1e-12, abs=1e-15)
+    for entry, run in list(results.items())[1:]:
+        assert [r["lr"] for r in run.steps] == [r["lr"] for r in reference.steps]
+        diff = max_abs_diff(run.params(), reference.params())
+        report(f"{optimizer} + {schedule}: {entry} vs {ENTRIES[0]} max |param diff| {diff:.3g}")
+        assert diff <= TOL.param
+
+
+@pytest.mark.skipif(not (ROOT / "configs" / "accelerate" / "fsdp.yaml").exists(), reason="no accelerate configs")
+def test_fsdp_is_refused_where_it_would_not_run(env, tmp_path):
+    """Accelerate turns on FSDP only on GPUs: on CPU it would train DDP without a word, so every
+    entry point refuses; train_pytorch (DDP by hand) refuses FSDP everywhere."""
+    fsdp_env = {**env, "ACCELERATE_USE_FSDP": "true"}
+    entries = ENTRIES if GPUS == 0 else ["pytorch"]
+    for entry in entries:
+        run = run_entry(entry, 1, tmp_path / entry, fsdp_env)
+        expected = "error: train_pytorch runs DDP, not FSDP" if entry == "pytorch" else "error: FSDP needs GPUs"
+        assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(expected), run.stderr[-2000:]
+
+
+@pytest.mark.skipif(GPUS < 2 or "accelerate" not in ENTRIES, reason="FSDP runs on GPUs (2 needed)")
+def test_fsdp_trains_like_ddp(runs, tmp_path):
+    ddp = runs("accelerate", 2, **ACCUM)
+    proc = accelerate_launch("fsdp", 2, runs.env, tmp_path / "fsdp", *flag_args(ACCUM))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fsdp = Run(proc.returncode, proc.stdout, proc.stderr, tmp_path / "fsdp")
+    assert "grad_sync_calls" not in fsdp.steps[0]  # FSDP, not DDP, reduced the gradients
+    diff = max_abs_diff(fsdp.params(), ddp.params())
+    report(f"FSDP vs DDP (2 GPUs x accumulation 4): max |param diff| {diff:.3g}")
+    assert diff <= TOL.param
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_auto_micro_batch_is_the_largest_that_fits(runs, entry):
+    """A budget between the peaks of micro batches 4 and 8: global 32 on 2 processes trains with
+    micro 4 x accumulation 4, exactly as a run told micro 4 (the first entry point's: the entry
+    points train bitwise alike, test_parity.py)."""
+    cfg, config = config_for()
+    peak4, peak8 = (training_step_peak(cfg, config, size, DEVICE) for size in (4, 8))
+    budget_mb = (peak4 + peak8) / 2 / MIB
+    flags = {"global_batch_size": 32, "max_steps": 3}
+    auto = runs(entry, 2, micro_batch_size="auto", memory_budget_mb=f"{budget_mb:.6f}", **flags)
+    told = runs(ENTRIES[0], 2, micro_batch_size=4, **flags)
+    assert [(r["grad_accum_steps"], r["micro_steps"]) for r in auto.steps] == [(4, 4)] * 3
+    assert "(auto: largest within the budget" in auto.stdout
+    diff = max_abs_diff(auto.params(), told.params())
+    report(f"micro_batch_size auto ({entry}), budget {budget_mb:.2f} MiB (peaks: micro 4 {peak4 / MIB:.2f} MiB, "
+           f"micro 8 {peak8 / MIB:.2f} MiB): chose 4; vs {ENTRIES[0]} told 4: max |param diff| {diff:.3g}")
+    assert diff == 0
