@@ -1,5 +1,6 @@
 # gacc-template: `make demo` bakes a project and trains it with 2 CPU processes; `make test` runs
-# the whole suite. Both create .venv from requirements-dev.txt when it is missing.
+# the whole suite; `make bench` runs the baked project's benchmarks into bench/. Each creates .venv
+# from requirements-dev.txt when it is missing.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -17,8 +18,11 @@ $(VENV)/.installed: requirements-dev.txt
 
 venv: $(VENV)/.installed ## create .venv with the pinned development environment
 
-demo: $(VENV)/.installed ## bake a project into a temporary folder and train it with 2 CPU processes
+demo: $(VENV)/.installed ## bake a project, train each entry point with 2 CPU processes, plot their losses
 	$(PY) tools/demo.py
+
+bench: $(VENV)/.installed ## bake a project, run its benchmarks: bench/results.json and plots (BENCH="flags")
+	$(PY) tools/bench.py $(BENCH)
 
 test: $(VENV)/.installed ## run the whole suite (template, hooks, and the baked projects' own suites)
 	$(PY) -m pytest
@@ -29,4 +33,4 @@ lint: $(VENV)/.installed ## ruff on the template's own code
 assets: $(VENV)/.installed ## regenerate the tokenizer and datasets that ship with every project
 	$(PY) tools/make_assets.py
 
-.PHONY: help venv demo test lint assets
+.PHONY: help venv demo bench test lint assets

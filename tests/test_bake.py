@@ -26,11 +26,15 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
         ".cookiecutter.json", ".gitignore", "Makefile", "README.md", "pyproject.toml",
         "configs/train.yaml", "scripts/train_local.sh", "scripts/slurm/common.sh", "scripts/slurm/torchrun.sbatch",
         *(f"{pkg}/{m}.py" for m in ("__init__", "batch", "checkpoint", "config", "coordination", "data",
-                                     "distributed", "evaluation", "model", "optim", "session", "tracking")),
+                                     "distributed", "evaluation", "memory", "model", "optim", "session",
+                                     "tracking")),
         *(f"{pkg}/assets/data/{t}/{s}.jsonl" for t in TASKS for s in ("train", "validation")),
         f"{pkg}/assets/tokenizer/tokenizer.json", f"{pkg}/assets/tokenizer/tokenizer_config.json",
-        *(f"tests/{m}.py" for m in ("conftest", "test_cli", "test_config", "test_data", "test_parity",
-                                    "test_resume", "test_scripts", "test_wandb")),
+        *(f"tests/{m}.py" for m in ("conftest", "test_cli", "test_config", "test_data", "test_levers",
+                                    "test_parity", "test_resume", "test_scripts", "test_wandb")),
+        "tests/test_benchmarks.py", "docs/loss_curves.png",
+        *(f"benchmarks/{m}.py" for m in ("__init__", "__main__", "bare_loop", "common", "communication",
+                                         "loss_curves", "memory", "overhead", "startup")),
     }
     for entry in entries:
         files |= {f"{pkg}/train_{entry}.py", f"tests/test_{entry}.py"}
@@ -92,8 +96,10 @@ def run_generated_suite(project: Path, *pytest_args: str) -> subprocess.Complete
 
 
 # The task only sets the generated config's default: the whole suite runs on the default bake,
-# and the parity matrix runs again on the other.
-TASK_SUITES = {"causal_lm": [], "sequence_classification": ["tests/test_parity.py"]}
+# and the parity matrix runs again on the other (less its launch and DDP-bucket tests, which do
+# not depend on the task: two torchrun agents, sync counts).
+TASK_SUITES = {"causal_lm": [],
+               "sequence_classification": ["tests/test_parity.py", "-k", "not two_torchrun_agents and not ddp_syncs"]}
 
 
 @pytest.mark.slow

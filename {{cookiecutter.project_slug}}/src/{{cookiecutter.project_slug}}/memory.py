@@ -1,17 +1,22 @@
 """Peak memory of a piece of training, on the device it runs on.
 
 GPU: `torch.cuda.max_memory_allocated` (the caching allocator's own count of live tensor bytes).
-CPU: torch has no allocator statistics there, so `MemTracker` (torch.distributed._tools) counts the
-bytes of every live tensor storage (rounded up to 512 bytes, as the CUDA allocator rounds) while the
-piece runs: parameters, gradients and optimizer state that are passed in as `tracked`, plus
-everything the piece allocates. The same numbers on a laptop and a cluster mean the same thing.
+CPU: torch keeps no allocator statistics there, so `LiveBytes`, a dispatch mode, sees every tensor
+each operation returns and counts the bytes of the storages alive at once: the parameters,
+gradients and optimizer state passed in as `tracked`, plus everything the piece allocates (views
+share their storage and count once). Both count tensors, not the allocator's cache or the
+process's other memory, so the numbers mean the same thing on a laptop and on a GPU.
 
 Used by `--micro_batch_size auto` (session.py) and by the memory benchmark (benchmarks/memory.py).
 """
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .batch import largest_fitting
 from .config import ConfigError, TrainConfig
@@ -20,6 +25,46 @@ from .model import autocast_for, build_model, summed_loss
 from .optim import build_optimizer
 
 MIB = 2**20
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the live tensor storages on one device type, and their peak, while active."""
+
+    def __init__(self, device_type: str):
+        super().__init__()
+        self.device_type, self.live, self.peak = device_type, 0, 0
+        self.seen = WeakIdKeyDictionary()  # storage -> its bytes, until the storage is freed
+
+    def add(self, tensors: Iterable) -> None:
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type != self.device_type:
+                continue
+            storage = tensor.untyped_storage()
+            if storage not in self.seen:
+                self.seen[storage] = storage.nbytes()
+                self.live += storage.nbytes()
+                weakref.finalize(storage, self._free, storage.nbytes())
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.add(tree_leaves(out))
+        return out
+
+
+def tensors_of(*tracked) -> list[torch.Tensor]:
+    """The parameters, gradients and optimizer state of modules and optimizers."""
+    found = []
+    for item in tracked:
+        if isinstance(item, torch.nn.Module):
+            found += [t for p in item.parameters() for t in (p, p.grad) if t is not None]
+            found += list(item.buffers())
+        else:
+            found += [t for state in item.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return found
 
 
 def peak_bytes(piece: Callable[[], object], device: torch.device, *tracked) -> int:
@@ -31,15 +76,10 @@ def peak_bytes(piece: Callable[[], object], device: torch.device, *tracked) -> i
         piece()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    if tracked:
-        tracker.track_external(*tracked)
-    with tracker:
+    with LiveBytes(device.type) as counter:
+        counter.add(tensors_of(*tracked))
         piece()
-    peaks = tracker.get_tracker_snapshot("peak")
-    return int(peaks.get(device, peaks.get(torch.device(device.type), {})).get("Total", 0))
+    return counter.peak
 
 
 def worst_case_batch(cfg: TrainConfig, model_config, size: int, device: torch.device) -> dict:

@@ -1,0 +1,66 @@
+"""The benchmarks measure what they claim (README, "Performance"), in their quick mode: DDP sends one
+gradient's worth of bytes per optimizer step with no_sync() and k times that without; the peak
+memory of an optimizer step follows the micro batch, not the global batch; loss_curves draws the
+runs it is given."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import communication, loss_curves, memory
+from benchmarks.common import parser
+
+from conftest import report
+
+
+def quick_args(tmp_path):
+    return parser("test").parse_args(["--quick", "--results", str(tmp_path / "results.json")])
+
+
+def test_no_sync_sends_one_gradient_per_optimizer_step(tmp_path):
+    if 0 < torch.cuda.device_count() < communication.WORLD_SIZE:
+        pytest.skip(f"{communication.WORLD_SIZE} processes need {communication.WORLD_SIZE} GPUs (nccl)")
+    rows = communication.run(quick_args(tmp_path))
+    settings = json.loads((tmp_path / "results.json").read_text())["settings"]["communication"]
+    gradient = settings["gradient_bytes"]
+    by_variant = {(row["grad_accum_steps"], row["no_sync"]): row for row in rows}
+    assert set(by_variant) == {(1, True), (1, False), (4, True), (4, False)}
+    buckets = by_variant[1, True]["allreduce_calls_per_step"]
+    assert buckets > 1, "0.05 MiB buckets: the tiny model's gradient needs several"
+    for k in (1, 4):
+        assert by_variant[k, True]["bytes_per_step"] == gradient
+        assert by_variant[k, True]["allreduce_calls_per_step"] == buckets
+        assert by_variant[k, False]["bytes_per_step"] == k * gradient
+        assert by_variant[k, False]["allreduce_calls_per_step"] == k * buckets
+    assert (tmp_path / "communication.png").stat().st_size > 0
+    report(f"communication: one gradient = {gradient:,} bytes in {buckets:g} all-reduces per optimizer step "
+           f"with no_sync (k = 1 and 4); k times that without")
+
+
+def test_peak_memory_follows_the_micro_batch(tmp_path):
+    full, half = memory.run(quick_args(tmp_path))
+    assert (full["grad_accum_steps"], half["grad_accum_steps"]) == (1, 2)
+    assert half["micro_batch_size"] == full["micro_batch_size"] // 2
+    assert full["peak_bytes"] == full["baseline_peak_bytes"]
+    assert half["peak_bytes"] < full["peak_bytes"]
+    assert half["baseline_peak_bytes"] <= half["peak_bytes"] <= memory.GOAL * half["baseline_peak_bytes"]
+    assert (tmp_path / "memory.png").stat().st_size > 0
+    report(f"memory: peak of one optimizer step {full['peak_bytes'] / 2**20:.1f} MiB at micro batch "
+           f"{full['micro_batch_size']}, {half['peak_bytes'] / 2**20:.1f} MiB as {half['micro_batch_size']} x 2 "
+           f"({half['ratio']:.3f} x a plain step at {half['micro_batch_size']})")
+
+
+def test_loss_curves_plots_every_run(tmp_path):
+    runs = []
+    for name, offset in (("pytorch", 0.0), ("trainer", 1e-3)):
+        run = tmp_path / name
+        run.mkdir()
+        records = [{"step": s, "loss": 5.0 - s / 10 + offset, "elapsed_s": s / 10} for s in range(1, 6)]
+        records.append({"step": 5, "eval_loss": 4.2})
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        runs.append(run)
+    out = tmp_path / "curves.png"
+    loss_curves.main([*map(str, runs), "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert loss_curves.largest_difference([loss_curves.losses(run) for run in runs]) == pytest.approx(1e-3)
