@@ -50,15 +50,13 @@ def plan_batches(global_batch_size: int, micro_batch_size: int, world_size: int,
     return BatchPlan(micro_batch_size, global_batch_size // per_micro_step, world_size, chosen_by)
 
 
-def largest_fitting(per_rank: int, fits: Callable[[int], bool]) -> tuple[int, list[int]]:
+def largest_fitting(per_rank: int, fits: Callable[[int], bool]) -> int:
     """The largest micro batch that fits, searched from `per_rank` (= global_batch_size /
     world_size, accumulation 1) down by halving: each candidate is the largest divisor of `per_rank`
-    at most half the last one, so the global batch stays exact. Returns (micro batch or 0 when even
-    1 does not fit, the candidates that did not fit)."""
-    candidate, too_big = per_rank, []
+    at most half the last one, so the global batch stays exact. 0 when even 1 does not fit."""
+    candidate = per_rank
     while not fits(candidate):
-        too_big.append(candidate)
         if candidate == 1:
-            return 0, too_big
+            return 0
         candidate = max(d for d in range(1, candidate // 2 + 1) if per_rank % d == 0)
-    return candidate, too_big
+    return candidate

@@ -41,9 +41,9 @@ class LiveBytes(TorchDispatchMode):
                 continue
             storage = tensor.untyped_storage()
             if storage not in self.seen:
-                self.seen[storage] = storage.nbytes()
-                self.live += storage.nbytes()
-                weakref.finalize(storage, self._free, storage.nbytes())
+                self.seen[storage] = nbytes = storage.nbytes()
+                self.live += nbytes
+                weakref.finalize(storage, self._free, nbytes)
         self.peak = max(self.peak, self.live)
 
     def _free(self, nbytes: int) -> None:
@@ -142,7 +142,7 @@ def auto_micro_batch_size(cfg: TrainConfig, model_config, env: DistEnv) -> tuple
         peaks[size] = f"{peak / MIB:.1f} MiB"
         return not budget or peak <= budget
 
-    local, _ = largest_fitting(cfg.global_batch_size // env.world_size, fits)
+    local = largest_fitting(cfg.global_batch_size // env.world_size, fits)
     size = int(all_reduce_min(torch.tensor(local, device=env.device)).item())
     limit = f"budget {cfg.memory_budget_mb:g} MiB" if budget else f"{env.device.type} memory"
     tried = ", ".join(f"{b}: {peak}" for b, peak in peaks.items())
