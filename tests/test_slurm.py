@@ -19,7 +19,8 @@ from conftest import report
 
 SLURM_DIR = Path(__file__).parent / "slurm"
 ANSWERS = {"num_nodes": "2", "gpus_per_node": "2", "slurm_partition": "debug", "slurm_time": "00:30:00"}
-TRAIN = ["--report_to", "none", "--max_seq_len", "48", "--micro_batch_size", "2", "--global_batch_size", "8"]
+TRAIN = ["--report_to", "none", "--max_seq_len", "48", "--micro_batch_size", "2", "--global_batch_size", "8",
+         "--collective_timeout_s", "120"]
 JOB_TIMEOUT_S = 300
 
 
@@ -55,7 +56,7 @@ def job_env(slurm: dict, out: Path) -> dict:
             "NPROC_PER_NODE": "1", "OUTPUT_DIR": str(out),
             "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(out.parent / "hf"),
             "WANDB_MODE": "offline", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "DIST_TIMEOUT_S": "120"}
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
 def job_state(job: str, env: dict) -> dict:

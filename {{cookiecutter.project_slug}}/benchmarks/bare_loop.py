@@ -18,7 +18,7 @@ from .common import clock, optimizer_step
 
 
 def train(cfg: TrainConfig) -> None:
-    session = Session.start(cfg, on_accelerate=False)
+    session = Session.start(cfg, entry="bare", on_accelerate=False)
     device = session.env.device
     model = build_model(cfg, session.model_config).to(device)
     optimizer = build_optimizer(model, cfg)

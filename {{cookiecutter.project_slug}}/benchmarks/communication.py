@@ -78,7 +78,7 @@ def worker(rank: int, port: int, flags: list[str], variants: list[tuple[int, boo
     cfg = load_config(flags)
     env = dist_env()
     config = model_config(cfg, load_tokenizer(cfg))
-    init_distributed(env)
+    init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s)
     rows = []
     for k, no_sync in variants:
         model = build_model(cfg, config).to(env.device)

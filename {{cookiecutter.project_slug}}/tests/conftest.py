@@ -9,11 +9,16 @@ needs more processes than this machine has GPUs is skipped, saying so). `TEST_MI
 runs every launch in bf16 and widens the tolerances to `TOLERANCES["bf16"]`.
 """
 
+import contextlib
+import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,11 +222,38 @@ def env(tmp_path) -> dict:
     return offline_env(tmp_path)
 
 
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+def one_error_line(proc, expected: str, code: int = 2) -> str:
+    """A single process that stopped with exit code `code` and exactly one `error:` line, which
+    contains `expected`, and no traceback."""
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == code and len(lines) == 1 and expected in lines[0], (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def snapshot(folder: Path) -> dict[str, tuple[str, int]]:
+    """Every file under `folder`: its content hash and modification time (to prove nothing changed)."""
+    return {p.relative_to(folder).as_posix(): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def strict_records(path: Path) -> list[dict]:
+    """metrics.jsonl read as strict JSON: NaN and Infinity are not JSON."""
+    def refuse(constant):
+        raise ValueError(f"{constant} in {path}")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
 def worker_error_lines(output: str, expected: str) -> list[str]:
     """The `error:` lines 2 workers printed under a launcher. Each worker that reaches the check
     prints its line and exits 2; the launcher then stops the others, so a worker still starting up
     may be stopped before it prints: one or two lines, each the expected one."""
-    lines = [line for line in output.splitlines() if line.startswith("error: ")]
+    lines = error_lines(output)
     assert 1 <= len(lines) <= 2 and all(line.startswith(expected) for line in lines), output[-3000:]
     return lines
 
@@ -240,3 +272,114 @@ def max_loss_diff(a: Run, b: Run) -> float:
     """Largest difference between the losses two runs logged for the same steps."""
     assert [r["step"] for r in a.steps] == [r["step"] for r in b.steps]
     return max(abs(x["loss"] - y["loss"]) for x, y in zip(a.steps, b.steps, strict=True))
+
+
+# Long enough (200 optimizer steps) that a signal or a kill lands mid-run, small enough to stay quick.
+LONG = {"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 200}
+
+
+def last_records(run: Run) -> list[dict]:
+    """The step records that count: after a crash, the steps redone after the restart replace those
+    logged after the last checkpoint (metrics.jsonl is only ever appended to)."""
+    by_step = {r["step"]: r for r in run.steps}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def assert_same_training(resumed: Run, straight: Run) -> float:
+    """Every step's loss and the final parameters: bitwise on CPU; GPU kernels (atomic adds) are
+    not bitwise reproducible run to run. Returns the largest parameter difference."""
+    losses = [r["loss"] for r in last_records(resumed)]
+    assert len(losses) == len(straight.steps)
+    diff = max_abs_diff(resumed.params(), straight.params())
+    if GPUS:
+        assert max(abs(a - b["loss"]) for a, b in zip(losses, straight.steps, strict=True)) <= TOL.loss
+        assert diff <= TOL.param
+    else:
+        assert losses == [r["loss"] for r in straight.steps]
+        assert diff == 0.0
+    return diff
+
+
+@contextlib.contextmanager
+def background_run(cmd: list[str], env: dict, tmp_path: Path):
+    """A run in the background for the `with` block, then waited for; its output goes to files (a
+    full pipe would stall it), and if the block fails the run is killed with all its processes."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=(tmp_path / "stdout").open("w"),
+                            stderr=(tmp_path / "stderr").open("w"), text=True)
+    try:
+        yield proc
+        proc.wait(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            signal_process_tree(proc.pid, signal.SIGKILL)
+
+
+def logs(tmp_path: Path) -> tuple[str, str]:
+    return (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+
+
+def children_of() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+    return children
+
+
+def signal_process_tree(pid: int, signum: int) -> None:
+    """Signal `pid` and all its descendants, whatever their session, as SLURM signals a job step."""
+    children, todo = children_of(), [pid]
+    while todo:
+        member = todo.pop()
+        todo += children.get(member, [])
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+            os.kill(member, signum)
+
+
+def wait_for_step(out: Path, proc: subprocess.Popen, step: int) -> None:
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while max([r["step"] for r in Run(0, "", "", out).steps] or [0]) < step:
+        assert proc.poll() is None and time.monotonic() < deadline, f"the run ended before step {step}"
+        time.sleep(0.02)
+
+
+def run_with_publish_hook(entry: str, hook: str, flags: dict, out: Path, env: dict) -> subprocess.CompletedProcess:
+    """The entry point on 2 processes under torchrun, with `checkpoint.publish` (which marks a
+    checkpoint complete) replaced by `hook`: the body of a function of (cfg, env, written, final,
+    state) that may call the original as `publish(...)`, to make a fault happen at a chosen step."""
+    body = "\n".join("    " + line for line in textwrap.dedent(hook).strip().splitlines())
+    script = out.parent / f"hooked_{out.name}.py"
+    script.write_text(f"""import importlib, os, resource, signal, sys
+from {SLUG} import checkpoint
+entry = importlib.import_module("{SLUG}.train_" + sys.argv.pop(1))
+publish = checkpoint.publish
+
+def hooked(cfg, env, written, final, state):
+{body}
+
+checkpoint.publish = hooked
+if hasattr(entry, "publish"):
+    entry.publish = hooked
+entry.main()
+""")
+    cmd = launch_cmd(entry, 2)
+    cmd[-2:] = [str(script), entry]  # torchrun runs the script in place of `-m <entry module>`
+    return subprocess.run(cmd + flag_args(flags) + ["--output_dir", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+
+
+def fault_one_worker(out: Path, proc: subprocess.Popen, signum: int, tmp_path: Path) -> tuple[int, dict, float]:
+    """Once the job under `proc` (torchrun --max_restarts 1, checkpoints every 10 steps) has logged
+    step 15, send `signum` to one of its 2 workers, then wait for the first record of the restarted
+    job: a step the faulted job had already logged. Returns the last step logged before the fault,
+    that first redone record, and the seconds from the fault to it."""
+    wait_for_step(out, proc, 15)  # past the checkpoint at step 10
+    records = (out / "metrics.jsonl").read_text().splitlines()
+    faulted_at, faulted_step = time.monotonic(), json.loads(records[-1])["step"]
+    os.kill(children_of()[proc.pid][-1], signum)  # one of torchrun's 2 workers
+    while not (redone := [r for r in Run(0, "", "", out).records[len(records):]
+                          if "loss" in r and r["step"] <= faulted_step]):
+        assert proc.poll() is None and time.monotonic() < faulted_at + LAUNCH_TIMEOUT_S, logs(tmp_path)[1][-3000:]
+        time.sleep(0.02)
+    return faulted_step, redone[0], time.monotonic() - faulted_at

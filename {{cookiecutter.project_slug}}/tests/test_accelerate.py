@@ -9,7 +9,17 @@ import sys
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import ROOT, SLUG, accelerate_launch, free_port, max_abs_diff, report, run_entry, worker_error_lines
+from conftest import (
+    ROOT,
+    SLUG,
+    accelerate_launch,
+    free_port,
+    max_abs_diff,
+    one_error_line,
+    report,
+    run_entry,
+    worker_error_lines,
+)
 
 CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 DEEPSPEED = sorted((ROOT / "configs" / "deepspeed").glob("*.json"))
@@ -111,3 +121,20 @@ def test_accelerate_yaml_that_disagrees_is_refused(env, tmp_path):
             "(micro_batch_size 2 x world_size 2) gives 4")
     worker_error_lines(proc.stdout + proc.stderr, line)
     assert "exitcode  : 2" in proc.stderr
+
+
+@pytest.mark.skipif(not DEEPSPEED, reason="no DeepSpeed configs generated (deepspeed_stage: none)")
+def test_deepspeed_json_that_is_not_an_object_is_one_line(env, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text("[1, 2]")
+    run = run_entry("accelerate", 1, tmp_path / "out", env, {**ACCUM, "deepspeed": path})
+    one_error_line(run, f"error: DeepSpeed config {path} must hold a JSON object of settings, got list")
+
+
+@pytest.mark.skipif(not DEEPSPEED, reason="no DeepSpeed configs generated (deepspeed_stage: none)")
+def test_deepspeed_runs_without_a_launcher(env, tmp_path):
+    """`python -m ...train_accelerate --deepspeed ...` on one process: DeepSpeed would look for MPI
+    (mpi4py) to find its world; the entry point gives it a group of one instead."""
+    run = run_entry("accelerate", 1, tmp_path / "out", env, {**SGD, "deepspeed": "configs/deepspeed/zero2.json"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [r["step"] for r in run.steps] == [1, 2, 3, 4] and "mpi4py" not in run.stderr

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import ENTRIES, ROOT, launch_cmd, worker_error_lines
+from conftest import ENTRIES, ROOT, error_lines, launch_cmd, worker_error_lines
 
 
 def launch(entry, nproc, args, env, tmp_path):
@@ -14,10 +14,6 @@ def launch(entry, nproc, args, env, tmp_path):
     if "--output_dir" not in args:
         cmd += ["--output_dir", str(tmp_path / "out")]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-
-
-def error_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.startswith("error: ")]
 
 
 def bad_inputs(tmp_path):

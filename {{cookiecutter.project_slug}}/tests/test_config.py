@@ -37,7 +37,11 @@ def test_flags_override_the_file(tmp_path):
     ("max_steps: 0\n", "max_steps must be -1 (train num_epochs) or >= 1, got 0"),
     ("- a list\n", "must hold a mapping"),
     ("seed: [1, 2]\n", "must be a single value"),
-    ("seed: 1\n  bad indent: 2\n", "is not valid YAML"),
+    ("seed: 1\n  bad indent: 2\n", "is not valid YAML at line 2, column 13: mapping values are not allowed here"),
+    ("learning_rate: .inf\n", "learning_rate must be a finite number, got inf"),
+    ("max_grad_norm: .nan\n", "max_grad_norm must be a finite number, got nan"),
+    ("task: yes\n", "key 'task' got the YAML boolean true; quote the value you mean"),
+    ("seed: no\n", "key 'seed' got the YAML boolean false"),
 ])
 def test_bad_config_files(tmp_path, text, message):
     path = tmp_path / "c.yaml"
@@ -53,6 +57,10 @@ def test_bad_config_files(tmp_path, text, message):
     (["--optimizer", "lion"], "invalid choice: 'lion'"),
     (["--warmup_steps", "-1"], "warmup_steps must be >= 0, got -1"),
     (["--config", "missing.yaml"], "config file missing.yaml not found"),
+    (["--weight_decay", "inf"], "weight_decay must be a finite number, got inf"),
+    (["--learning_rate", "nan"], "learning_rate must be a finite number, got nan"),
+    (["--learning-rat", "1"], "unknown flag(s) ['--learning-rat', '1']"),  # no abbreviations
+    (["--max_nonfinite_steps", "0"], "max_nonfinite_steps must be >= 1, got 0"),
 ])
 def test_bad_flags(argv, message):
     with pytest.raises(ConfigError) as err:
@@ -75,3 +83,19 @@ def test_batch_maths_that_does_not_divide():
         plan_batches(64, 8, 3)
     assert str(err.value).startswith("global_batch_size 64 is not divisible by micro_batch_size 8 x "
                                      "world_size 3 = 24")
+
+
+def test_unquoted_no_means_no(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("mixed_precision: no\n")  # YAML 1.1 reads an unquoted no as false
+    assert load_config(["--config", str(path)]).mixed_precision == "no"
+
+
+def test_help_shows_the_config_files_values(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 0.25\nwarmup_steps: 7\n")
+    with pytest.raises(SystemExit):
+        load_config(["--config", str(path), "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "Peak learning rate. (default: 0.25)" in shown
+    assert "(default: 7)" in shown

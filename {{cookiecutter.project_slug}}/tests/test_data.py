@@ -5,8 +5,9 @@ import pytest
 
 from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
-from {{ cookiecutter.project_slug }}.data import IGNORE_INDEX, Collator, WindowSampler, eval_dataloader, load_raw_dataset, tokenize
+from {{ cookiecutter.project_slug }}.data import IGNORE_INDEX, Collator, WindowSampler, eval_dataloader
 from {{ cookiecutter.project_slug }}.model import count_targets, load_tokenizer
+from {{ cookiecutter.project_slug }}.prepare import find_source, prepare
 
 from conftest import ROOT
 
@@ -57,7 +58,7 @@ def test_resume_position_skips_the_consumed_windows():
 def lm():
     cfg = load_config(["--config", CONFIG, "--task", "causal_lm"])
     tokenizer = load_tokenizer(cfg)
-    return cfg, tokenizer, tokenize(load_raw_dataset(cfg), tokenizer, cfg)
+    return cfg, tokenizer, prepare(cfg, tokenizer).data
 
 
 def test_collator_pads_right_and_masks_padding_and_fillers(lm):
@@ -93,7 +94,7 @@ def test_eval_shards_count_every_example_once(lm, world_size, batch_size):
 def test_classification_labels(tmp_path):
     cfg = load_config(["--config", CONFIG, "--task", "sequence_classification"])
     tokenizer = load_tokenizer(cfg)
-    data = tokenize(load_raw_dataset(cfg), tokenizer, cfg)
+    data = prepare(cfg, tokenizer).data
     rows = [{**data["train"][i], "real": i != 2} for i in range(4)]
     batch = Collator(tokenizer, "sequence_classification")(rows)
     assert batch["labels"].tolist() == [r["label"] if r["real"] else IGNORE_INDEX for r in rows]
@@ -102,11 +103,11 @@ def test_classification_labels(tmp_path):
 
 def test_dataset_errors(tmp_path):
     with pytest.raises(ConfigError, match="is not a folder of train/validation files"):
-        load_raw_dataset(load_config(["--config", CONFIG, "--dataset", str(tmp_path / "none")]))
+        find_source(load_config(["--config", CONFIG, "--dataset", str(tmp_path / "none")]))
     (tmp_path / "train.jsonl").write_text('{"text": "a b"}\n')
     with pytest.raises(ConfigError, match="has no validation split"):
-        load_raw_dataset(load_config(["--config", CONFIG, "--dataset", str(tmp_path)]))
+        find_source(load_config(["--config", CONFIG, "--dataset", str(tmp_path)]))
     (tmp_path / "validation.jsonl").write_text('{"text": "a b"}\n')
     with pytest.raises(ConfigError, match=r"lacks column\(s\) label"):
-        load_raw_dataset(load_config(["--config", CONFIG, "--dataset", str(tmp_path),
+        find_source(load_config(["--config", CONFIG, "--dataset", str(tmp_path),
                                       "--task", "sequence_classification"]))

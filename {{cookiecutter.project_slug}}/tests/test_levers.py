@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from {{ cookiecutter.project_slug }}.config import load_config
-from {{ cookiecutter.project_slug }}.data import load_raw_dataset, num_labels
 from {{ cookiecutter.project_slug }}.memory import MIB, training_step_peak
 from {{ cookiecutter.project_slug }}.model import load_tokenizer, model_config
+from {{ cookiecutter.project_slug }}.prepare import prepare
 
 from conftest import (
     ACCUM,
@@ -43,8 +43,7 @@ def config_for(*flags: str):
     """The run's TrainConfig and model config, as an entry point builds them."""
     cfg = load_config(["--config", CONFIG, "--max_seq_len", "48", "--mixed_precision", MIXED_PRECISION, *flags])
     tokenizer = load_tokenizer(cfg)
-    labels = num_labels(load_raw_dataset(cfg)) if cfg.task == "sequence_classification" else 2
-    return cfg, model_config(cfg, tokenizer, labels)
+    return cfg, model_config(cfg, tokenizer, prepare(cfg, tokenizer).num_labels or 2)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +78,7 @@ def test_fp16_skipped_step_moves_neither_schedule_nor_optimizer(fp16_runs, which
     for record in run.steps:
         assert record["lr"] == pytest.approx(linear_lr(peak, applied, 2, 12), rel=1e-12, abs=1e-15)
         applied += not record["step_skipped"]
-    state = torch.load(run.output_dir / "checkpoints" / "step_12" / "training_state.pt", weights_only=False)
+    state = torch.load(run.output_dir / "checkpoints" / "step_12" / "training_state.pt", weights_only=True)
     assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {applied}  # AdamW's bias correction
     assert state["lr_scheduler"]["last_epoch"] == applied
 

@@ -212,13 +212,14 @@ def test_metrics_jsonl_and_final_model(runs, entry):
 def test_each_step_consumes_its_window_of_the_epoch_permutation(runs):
     from {{ cookiecutter.project_slug }}.batch import plan_batches
     from {{ cookiecutter.project_slug }}.config import load_config
-    from {{ cookiecutter.project_slug }}.data import WindowSampler, load_raw_dataset, tokenize
+    from {{ cookiecutter.project_slug }}.data import WindowSampler
     from {{ cookiecutter.project_slug }}.model import load_tokenizer
+    from {{ cookiecutter.project_slug }}.prepare import prepare
 
     run = runs(ENTRIES[0], 2, **ACCUM, **({} if TASK == "causal_lm" else {"task": "causal_lm"}))
     cfg = load_config(["--config", str(ROOT / "configs" / "train.yaml"), "--max_seq_len", "48",
                        "--task", "causal_lm"])
-    train = tokenize(load_raw_dataset(cfg), load_tokenizer(cfg), cfg)["train"]
+    train = prepare(cfg, load_tokenizer(cfg)).data["train"]
     lengths = [len(ids) for ids in train["input_ids"]]
     assert len(set(lengths)) > 5  # varied lengths: padding is real
     order = WindowSampler(len(train), plan_batches(16, 16, 1), 0, cfg.seed).permutation(0)

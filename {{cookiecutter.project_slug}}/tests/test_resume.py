@@ -2,14 +2,12 @@
 a crash while a checkpoint is written leaves the previous one usable, and a run with a W&B key
 leaves no copy of it behind. Every run is real: 2 gloo processes under torchrun."""
 
-import contextlib
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -17,92 +15,30 @@ import pytest
 from conftest import (
     ACCUM,
     ENTRIES,
-    GPUS,
     LAUNCH_TIMEOUT_S,
+    LONG,
     ROOT,
-    SLUG,
     TOL,
     Run,
+    assert_same_training,
+    background_run,
     c10d_launch_cmd,
+    fault_one_worker,
     flag_args,
     free_port,
+    last_records,
     launch_cmd,
+    logs,
     max_abs_diff,
     max_loss_diff,
     report,
     run_entry,
+    run_with_publish_hook,
     short_windows,
+    signal_process_tree,
+    wait_for_step,
     worker_error_lines,
 )
-
-# Long enough (200 optimizer steps) that a signal or a kill lands mid-run, small enough to stay quick.
-LONG = {"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 200}
-
-
-def last_records(run: Run) -> list[dict]:
-    """The step records that count: after a crash, the steps redone after the restart replace those
-    logged after the last checkpoint (metrics.jsonl is only ever appended to)."""
-    by_step = {r["step"]: r for r in run.steps}
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def assert_same_training(resumed: Run, straight: Run) -> float:
-    """Every step's loss and the final parameters: bitwise on CPU; GPU kernels (atomic adds) are
-    not bitwise reproducible run to run. Returns the largest parameter difference."""
-    losses = [r["loss"] for r in last_records(resumed)]
-    assert len(losses) == len(straight.steps)
-    diff = max_abs_diff(resumed.params(), straight.params())
-    if GPUS:
-        assert max(abs(a - b["loss"]) for a, b in zip(losses, straight.steps, strict=True)) <= TOL.loss
-        assert diff <= TOL.param
-    else:
-        assert losses == [r["loss"] for r in straight.steps]
-        assert diff == 0.0
-    return diff
-
-
-@contextlib.contextmanager
-def background_run(cmd: list[str], env: dict, tmp_path: Path):
-    """A run in the background for the `with` block, then waited for; its output goes to files (a
-    full pipe would stall it), and if the block fails the run is killed with all its processes."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=(tmp_path / "stdout").open("w"),
-                            stderr=(tmp_path / "stderr").open("w"), text=True)
-    try:
-        yield proc
-        proc.wait(timeout=LAUNCH_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            signal_process_tree(proc.pid, signal.SIGKILL)
-
-
-def logs(tmp_path: Path) -> tuple[str, str]:
-    return (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
-
-
-def children_of() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):  # gone meanwhile
-            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
-            children.setdefault(ppid, []).append(int(stat.parent.name))
-    return children
-
-
-def signal_process_tree(pid: int, signum: int) -> None:
-    """Signal `pid` and all its descendants, whatever their session, as SLURM signals a job step."""
-    children, todo = children_of(), [pid]
-    while todo:
-        member = todo.pop()
-        todo += children.get(member, [])
-        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
-            os.kill(member, signum)
-
-
-def wait_for_step(out: Path, proc: subprocess.Popen, step: int) -> None:
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    while max([r["step"] for r in Run(0, "", "", out).steps] or [0]) < step:
-        assert proc.poll() is None and time.monotonic() < deadline, f"the run ended before step {step}"
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
@@ -193,20 +129,11 @@ def test_killed_rank_restarts_from_the_last_checkpoint(runs, entry, tmp_path):
     # workers' rendezvous keys are kept apart from the killed ones', distributed.init_distributed)
     cmd = c10d_launch_cmd(entry, 1, 2, free_port(), "--max_restarts", "1")
     with background_run(cmd + flag_args(flags) + ["--output_dir", str(out)], runs.env, tmp_path) as proc:
-        wait_for_step(out, proc, 15)  # past the checkpoint at step 10
-        records = (out / "metrics.jsonl").read_text().splitlines()
-        killed_at, killed_step = time.monotonic(), json.loads(records[-1])["step"]
-        os.kill(children_of()[proc.pid][-1], signal.SIGKILL)  # one of torchrun's 2 workers
-        # the first record after the restart: a step the killed job had already logged
-        while not (redone := [r for r in Run(0, "", "", out).records[len(records):]
-                              if "loss" in r and r["step"] <= killed_step]):
-            assert proc.poll() is None and time.monotonic() < killed_at + LAUNCH_TIMEOUT_S, logs(tmp_path)[1][-3000:]
-            time.sleep(0.02)
-        resumed_after = time.monotonic() - killed_at
+        killed_step, redone, resumed_after = fault_one_worker(out, proc, signal.SIGKILL, tmp_path)
     stdout, stderr = logs(tmp_path)
     assert proc.returncode == 0, stderr[-3000:]
     resumed_from = int(re.search(r"resuming after step (\d+)", stdout)[1])
-    assert resumed_from >= 10 and redone[0]["step"] == resumed_from + 1
+    assert resumed_from >= 10 and redone["step"] == resumed_from + 1
     crashed = Run(0, stdout, stderr, out)
     assert [r["step"] for r in last_records(crashed)] == list(range(1, 81))
     # save_total_limit (2 in train.yaml): the newest two, complete; no temporary folder left
@@ -217,34 +144,13 @@ def test_killed_rank_restarts_from_the_last_checkpoint(runs, entry, tmp_path):
            f"max |param diff| vs uninterrupted {diff:.3g}")
 
 
-CRASH_IN_CHECKPOINT = f"""
-import importlib, os, signal, sys
-from {SLUG} import checkpoint
-entry = importlib.import_module("{SLUG}.train_" + sys.argv.pop(1))
-publish = checkpoint.publish_checkpoint
-
-def publish_or_die(cfg, step, env, written):
-    if step == 8 and env.is_main_process:  # every part written, nothing published yet
-        os.kill(os.getpid(), signal.SIGKILL)
-    return publish(cfg, step, env, written)
-
-checkpoint.publish_checkpoint = publish_or_die
-if hasattr(entry, "publish_checkpoint"):
-    entry.publish_checkpoint = publish_or_die
-entry.main()
-"""
-
-
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(runs, entry, tmp_path):
-    flags = {**ACCUM, "save_steps": 4}
-    script = tmp_path / "crash_in_checkpoint.py"
-    script.write_text(CRASH_IN_CHECKPOINT)
-    out = tmp_path / "out"
-    cmd = launch_cmd(entry, 2)
-    cmd[-2:] = [str(script), entry]  # torchrun runs the script in place of `-m <entry module>`
-    proc = subprocess.run(cmd + flag_args(flags) + ["--output_dir", str(out)], cwd=ROOT, env=runs.env,
-                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    flags, out = {**ACCUM, "save_steps": 4}, tmp_path / "out"
+    proc = run_with_publish_hook(entry, """
+        if state["step"] == 8 and env.is_main_process:  # every part written, nothing published yet
+            os.kill(os.getpid(), signal.SIGKILL)
+        return publish(cfg, env, written, final, state)""", flags, out, runs.env)
     assert proc.returncode == 1 and "exitcode  : -9" in proc.stderr, proc.stderr[-3000:]  # rank 0: SIGKILL
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert "step_4" in checkpoints and "step_8" not in checkpoints, checkpoints

@@ -3,6 +3,7 @@ one row per optimizer step at W&B step = optimizer step, the same keys everywher
 config recorded, offline when no API key is set."""
 
 import json
+import shlex
 import struct
 from dataclasses import fields
 from pathlib import Path
@@ -51,7 +52,7 @@ def history(records) -> dict[int, dict]:
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_offline_wandb_run(entry, env, tmp_path):
-    wandb_dir = tmp_path / "wandb_dir"
+    wandb_dir = tmp_path / "wandb dir"  # a space: the printed `wandb sync` command must quote it
     wandb_dir.mkdir()
     # No WANDB_MODE and no API key anywhere (HOME has no .netrc): the run goes offline by itself.
     env = {k: v for k, v in env.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
@@ -59,9 +60,10 @@ def test_offline_wandb_run(entry, env, tmp_path):
     flags = {"report_to": "wandb", "micro_batch_size": 2, "global_batch_size": 16, "max_steps": 3}
     run = run_entry(entry, 2, tmp_path / "out", env, flags)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "wandb sync" in run.stdout
     (run_file,) = wandb_dir.rglob("*.wandb")  # one run: rank 0 only
     assert run_file.parent.name.startswith("offline-run-")
+    (sync,) = [line.partition("upload it with: ")[2] for line in run.stdout.splitlines() if "wandb sync" in line]
+    assert shlex.split(sync) == ["wandb", "sync", str(run_file.parent)]
     records = wandb_records(run_file)
 
     (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]

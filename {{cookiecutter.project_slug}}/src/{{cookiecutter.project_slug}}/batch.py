@@ -9,7 +9,7 @@ same optimisation on 1 CPU process, 8 GPUs or 4 nodes: only the number of micro-
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .config import ConfigError
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,63 @@
-"""Checkpoints: `output_dir/checkpoints/step_<N>/`, written atomically, newest K kept.
+"""Checkpoints and finished runs: what a run leaves that a later job continues or trusts.
 
-Every process writes its part into `checkpoints/.tmp_step_<N>/`; once all have finished, the main
-process renames it to `step_<N>/`. A crash mid-write leaves only the temporary folder, which is
-never read, so the previous checkpoint stays the newest complete one. `state.json` is written
-last and marks a checkpoint complete.
+`output_dir/checkpoints/step_<N>/` is written atomically: every process writes its part into
+`checkpoints/.tmp_step_<N>/`; once all have finished, the main process writes `state.json` (the
+step, the entry point, the config, the library versions and the size of every file) and renames
+the folder to `step_<N>/`. A crash or a failed write leaves only the temporary folder, which is
+never read, so the previous checkpoint stays the newest complete one. `final_model/` is written
+the same way and holds a `state.json` too: a finished run records the config it was trained with.
+
+Before a checkpoint is loaded, on every process and before any process waits on another, it is
+checked: every file present with the size it was written with, safetensors headers whole, and no
+pickle in it that would run code when loaded (only tensors, containers and the few classes the
+libraries' own state holds) — a checkpoint from a shared folder must not execute anything.
 """
 
 import json
+import pickletools
 import random
 import shutil
+import struct
+import zipfile
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .config import ConfigError, TrainConfig
-from .distributed import DistEnv, barrier, print0
+from .config import TrainConfig
+from .distributed import DistEnv, all_reduce_sum, barrier, print0
+from .errors import ConfigError, JobFailed, first_line
 
 STATE_FILE = "state.json"
+FINAL_DIR = "final_model"
+# Keys that change the training: a checkpoint continues only under the same values (CONTRACT.md,
+# section 3). Every other key may change on resume (world size, micro batch, evaluation, logging...).
+MUST_MATCH = ("global_batch_size", "seed", "task", "model_name_or_path", "dataset", "max_seq_len", "optimizer",
+              "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm",
+              "mixed_precision")
+LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed")
+# What the pickles in a checkpoint may name: tensors and their storages, containers, numpy arrays
+# (RNG states), and the classes DeepSpeed's own state holds. Anything else could run code on load.
+SAFE_GLOBALS = {
+    ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
+    ("torch._tensor", "_rebuild_from_type_v2"), ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"),
+    ("_codecs", "encode"), ("numpy", "dtype"), ("numpy", "ndarray"), ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"), ("deepspeed.utils.tensor_fragment", "fragment_address"),
+}
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl")
 
 
 def checkpoints_dir(output_dir: str) -> Path:
     return Path(output_dir) / "checkpoints"
+
+
+def final_dir(output_dir: str) -> Path:
+    return Path(output_dir) / FINAL_DIR
 
 
 def complete_checkpoints(output_dir: str) -> list[Path]:
@@ -32,20 +67,186 @@ def complete_checkpoints(output_dir: str) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def resolve_resume(cfg: TrainConfig) -> Path | None:
-    """The checkpoint to continue from, or None to start fresh; refuses to overwrite earlier work."""
+def library_versions() -> dict[str, str]:
+    found = {}
+    for name in LIBRARIES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def read_state(path: Path) -> dict:
+    """A checkpoint's (or finished run's) state.json; a missing or damaged one is a ConfigError."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+        int(state["step"])
+        dict(state["config"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"checkpoint {path} is unreadable ({STATE_FILE}: {err!r}); "
+                          "resume from another one or remove it") from None
+    return state
+
+
+def _pickle_globals(data: bytes) -> set[tuple[str, str]]:
+    """The (module, name) pairs a pickle would import, read from its opcodes without running it. A
+    STACK_GLOBAL whose names are not plain strings on the stack comes back as ("?", "?")."""
+    found, strings, memo = set(), [], {}
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in ("GLOBAL", "INST"):
+            found.add(tuple(arg.split(" ", 1)))
+        elif op.name == "STACK_GLOBAL":
+            found.add(tuple(strings[-2:]) if len(strings) >= 2 and None not in strings[-2:] else ("?", "?"))
+        elif op.name in ("EXT1", "EXT2", "EXT4"):
+            found.add(("copyreg extension", str(arg)))
+        if op.name.endswith(("UNICODE", "STRING", "UNICODE8")):
+            strings.append(arg if isinstance(arg, str) else None)
+        elif op.name.endswith("GET"):
+            strings.append(memo.get(arg))
+        elif op.name.endswith("PUT"):
+            memo[arg] = strings[-1] if strings else None
+        elif op.name == "MEMOIZE":
+            memo[len(memo)] = strings[-1] if strings else None
+    return found
+
+
+def _check_file(path: Path) -> str:
+    """Why `path` would not load safely, or "" (its structure only: the bytes are the loader's)."""
+    with path.open("rb") as f:
+        head = f.read(8)
+    if path.suffix == ".safetensors":
+        size = path.stat().st_size
+        if len(head) < 8:
+            return "is truncated (no safetensors header)"
+        length = struct.unpack("<Q", head)[0]
+        try:
+            with path.open("rb") as f:
+                header = json.loads(f.read(8 + length)[8:])
+            end = max([0, *(t["data_offsets"][1] for k, t in header.items() if k != "__metadata__")])
+        except (ValueError, KeyError, TypeError, IndexError):
+            return "has a damaged safetensors header"
+        return "" if 8 + length + end == size else f"is {size} bytes where its header needs {8 + length + end}"
+    if path.suffix not in PICKLE_SUFFIXES:
+        return ""
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                pickles = [archive.read(n) for n in archive.namelist() if n.endswith(".pkl")]
+        else:
+            pickles = [path.read_bytes()]
+        unsafe = set().union(*map(_pickle_globals, pickles)) - SAFE_GLOBALS
+    except (zipfile.BadZipFile, ValueError, EOFError, UnicodeDecodeError) as err:
+        return f"is damaged ({type(err).__name__}: {err})"
+    unsafe = {(m, n) for m, n in unsafe if not (m == "torch" and n.endswith("Storage"))}
+    if unsafe:
+        names = ", ".join(sorted(f"{m}.{n}" for m, n in unsafe))
+        return f"would run code when loaded (its pickle names {names}); only load checkpoints you made"
+    return ""
+
+
+def _damage(path: Path, state: dict) -> str:
+    """What is wrong with checkpoint `path`, or ""."""
+    for name, size in state.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} has {file.stat().st_size} bytes, {size} were written"
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        problem = _check_file(file)
+        if problem:
+            return f"{file} {problem}"
+    return ""
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """state.json of a checkpoint that loads; a damaged one is one line naming the file, and the
+    newest older checkpoint of the same run that would load instead."""
+    state = read_state(path)
+    problem = _damage(path, state)
+    if not problem:
+        return state
+    older = [p for p in reversed(complete_checkpoints(str(path.parent.parent)))
+             if p.name.startswith("step_") and int(p.name[5:]) < int(state["step"])]
+    loads = next((p for p in older if not _damage(p, read_state(p))), None)
+    advice = (f"the older checkpoint {loads} loads: --resume_from_checkpoint {loads}" if loads
+              else "no older checkpoint of this run loads")
+    raise ConfigError(f"checkpoint {path} cannot be loaded: {problem}; {advice}")
+
+
+def _length(config: dict) -> tuple[str, int]:
+    """The key that fixes the run's total optimizer steps, and its value."""
+    return ("max_steps", config["max_steps"]) if config["max_steps"] != -1 else ("num_epochs", config["num_epochs"])
+
+
+def check_same_training(state: dict, cfg: TrainConfig, where: Path) -> None:
+    """The keys that change the training must be those `where` was trained with (ConfigError)."""
+    old, new = state["config"], cfg.to_dict()
+    differences = [(key, old[key], new[key]) for key in MUST_MATCH if key in old and old[key] != new[key]]
+    if {"max_steps", "num_epochs"} <= set(old) and _length(old) != _length(new):
+        key = _length(old)[0] if _length(old)[0] == _length(new)[0] else "max_steps"
+        differences.append((key, old[key], new[key]))
+    if differences:
+        key, before, now = differences[0]
+        raise ConfigError(f"{where} was trained with {key} {before!r}, this run has {key} {now!r}; a run "
+                          f"continues only with the same {key} (pass --{key} {before}), or start a new run in "
+                          "another --output_dir")
+
+
+def check_same_entry(state: dict, entry: str, backend: str, where: Path) -> None:
+    """A checkpoint continues in the entry point and back end that wrote it (their formats differ)."""
+    if state.get("entry", entry) != entry:
+        raise ConfigError(f"{where} was written by train_{state['entry']}, not train_{entry}: each entry point "
+                          f"keeps its library's checkpoint format; continue it with train_{state['entry']}, or start "
+                          "a new run in another --output_dir")
+    if state.get("backend", backend) != backend:
+        raise ConfigError(f"{where} was written with {state['backend']}, this run uses {backend}; continue it with "
+                          f"the same back end (--deepspeed), or start a new run in another --output_dir")
+
+
+def note_versions(state: dict, where: Path) -> None:
+    """One line when the libraries differ from those that wrote the checkpoint (the run goes on)."""
+    now = library_versions()
+    changed = [f"{name} {old} -> {now.get(name, 'none')}" for name, old in state.get("versions", {}).items()
+               if now.get(name) != old]
+    if changed:
+        print0(f"note: {where} was written with other library versions ({', '.join(changed)}); continuing")
+
+
+def refuse_fresh_run(cfg: TrainConfig) -> None:
+    """A fresh run (no --resume_from_checkpoint) never writes over a finished run or checkpoints."""
+    out = Path(cfg.output_dir)
+    finished = final_dir(cfg.output_dir)
+    if (finished / STATE_FILE).is_file():
+        raise ConfigError(
+            f"output_dir {out} holds a finished run ({finished}, step {read_state(finished)['step']}); to train "
+            f"it further start a new run from it (--model_name_or_path {finished} --output_dir NEW_DIR), or "
+            "choose another --output_dir")
+    found = complete_checkpoints(cfg.output_dir)
+    if found:
+        raise ConfigError(
+            f"output_dir {out} already holds checkpoints ({found[-1].name}); pass "
+            "--resume_from_checkpoint auto to continue, or choose another --output_dir")
+
+
+def resume_point(cfg: TrainConfig) -> Path | None:
+    """The checkpoint to continue from (checked), or None to start fresh; a finished run in
+    output_dir is returned as its final_model folder (the caller compares and stops)."""
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir {out} is a file; choose a folder")
-    found = complete_checkpoints(cfg.output_dir)
+    finished = final_dir(cfg.output_dir)
     if cfg.resume_from_checkpoint == "":
-        if found:
-            raise ConfigError(
-                f"output_dir {out} already holds checkpoints ({found[-1].name}); pass "
-                "--resume_from_checkpoint auto to continue, or choose another --output_dir"
-            )
+        refuse_fresh_run(cfg)
         return None
+    if (finished / STATE_FILE).is_file():
+        if cfg.resume_from_checkpoint != "auto":
+            raise ConfigError(f"output_dir {out} holds a finished run ({finished}); resume "
+                              f"{cfg.resume_from_checkpoint} into another --output_dir")
+        return finished
     if cfg.resume_from_checkpoint == "auto":
+        found = complete_checkpoints(cfg.output_dir)
         return found[-1] if found else None
     path = Path(cfg.resume_from_checkpoint)
     if not (path / STATE_FILE).is_file():
@@ -56,61 +257,24 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
     return path
 
 
-def read_state(path: Path) -> dict:
-    """The checkpoint's state.json; a missing or damaged one is a ConfigError (one line, exit 2)."""
-    try:
-        state = json.loads((path / STATE_FILE).read_text())
-        int(state["step"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"checkpoint {path} is unreadable ({STATE_FILE}: {err!r}); "
-                          "resume from another one or remove it") from None
-    return state
-
-
 def rng_state() -> dict:
+    """Every RNG of this process, as tensors and plain values (loadable with weights_only=True)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(cfg: TrainConfig, step: int, env: DistEnv, write: Callable[[Path], None]) -> Path:
-    """Run `write(folder)` on every process into a temporary folder, then publish it."""
-    tmp = checkpoints_dir(cfg.output_dir) / f".tmp_step_{step}"
-    if env.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    write(tmp)
-    return publish_checkpoint(cfg, step, env, tmp)
-
-
-def publish_checkpoint(cfg: TrainConfig, step: int, env: DistEnv, written: Path) -> Path:
-    """Once every process has finished writing `written`: mark it complete (state.json: the step,
-    the world size and the config), rename it to step_<step> and keep the newest save_total_limit."""
-    final = checkpoints_dir(cfg.output_dir) / f"step_{step}"
-    barrier()
-    if env.is_main_process:
-        state = {"step": step, "world_size": env.world_size, "config": cfg.to_dict()}
-        (written / STATE_FILE).write_text(json.dumps(state, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        written.rename(final)
-        if cfg.save_total_limit:
-            for old in complete_checkpoints(cfg.output_dir)[:-cfg.save_total_limit]:
-                shutil.rmtree(old)
-        print0(f"checkpoint: {final}")
-    barrier()
-    return final
 
 
 def save_rng(folder: Path, rank: int) -> None:
@@ -120,4 +284,68 @@ def save_rng(folder: Path, rank: int) -> None:
 def load_rng(path: Path, rank: int) -> None:
     """Restore this rank's RNG states (rank 0's when the checkpoint had fewer ranks)."""
     own = path / f"rng_rank{rank}.pt"
-    set_rng_state(torch.load(own if own.is_file() else path / "rng_rank0.pt", weights_only=False))
+    set_rng_state(torch.load(own if own.is_file() else path / "rng_rank0.pt", weights_only=True))
+
+
+def _attempt(env: DistEnv, output_dir: str, what: str, action: Callable[[], None]) -> None:
+    """Run `action` on every process; if it failed on any of them, every process learns it and all
+    stop together, with one line each, before any of them waits on the others again."""
+    error = None
+    try:
+        action()
+    except Exception as err:  # a full disk is an OSError, or the serialiser's own error around one
+        error = err
+    failed = all_reduce_sum(torch.tensor(float(error is not None), device=env.device)).item()
+    if failed:
+        newest = complete_checkpoints(output_dir)
+        kept = f"the newest complete checkpoint is {newest[-1]}" if newest else "no checkpoint was completed before"
+        reason = f"{type(error).__name__}: {first_line(error)}" if error else f"{int(failed)} other process(es) failed"
+        raise JobFailed(f"could not write {what} ({reason}); {kept}: free space and resume it with "
+                        "--resume_from_checkpoint auto", agreed=True)
+
+
+def write_atomically(cfg: TrainConfig, env: DistEnv, final: Path, write: Callable[[Path], None],
+                     state: dict) -> Path:
+    """Run `write(folder)` on every process into a temporary folder beside `final`, then publish it
+    as `final` with `state` in its state.json. A failed write on any process stops every process
+    with one line; `final` is untouched, the partial folder removed."""
+    tmp = final.with_name(f".tmp_{final.name}")
+
+    def make_tmp() -> None:
+        if env.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+
+    try:
+        _attempt(env, cfg.output_dir, final.name, make_tmp)
+        _attempt(env, cfg.output_dir, final.name, lambda: write(tmp))
+        return publish(cfg, env, tmp, final, state)
+    except JobFailed:
+        if env.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def publish(cfg: TrainConfig, env: DistEnv, written: Path, final: Path, state: dict) -> Path:
+    """Once every process has finished writing `written`: record `state` and the size of every
+    file in its state.json, rename it to `final` and, for checkpoints, keep the newest
+    save_total_limit."""
+
+    def mark_complete() -> None:
+        if env.is_main_process:
+            (written / "training_args.bin").unlink(missing_ok=True)  # the Trainer's pickle; nothing reads it
+            files = {p.relative_to(written).as_posix(): p.stat().st_size
+                     for p in sorted(written.rglob("*")) if p.is_file()}
+            (written / STATE_FILE).write_text(json.dumps({**state, "files": files}, indent=2))
+            shutil.rmtree(final, ignore_errors=True)
+            written.rename(final)
+
+    barrier()
+    _attempt(env, cfg.output_dir, final.name, mark_complete)
+    if env.is_main_process and final.parent == checkpoints_dir(cfg.output_dir):
+        if cfg.save_total_limit:
+            for old in complete_checkpoints(cfg.output_dir)[:-cfg.save_total_limit]:
+                shutil.rmtree(old)
+        print0(f"checkpoint: {final}")
+    barrier()
+    return final

@@ -7,6 +7,8 @@ line on stderr.
 """
 
 import argparse
+import math
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -17,13 +19,10 @@ from typing import Literal
 import yaml
 from transformers import HfArgumentParser
 
-from .distributed import cleanup
+from .distributed import cleanup, lost_contact
+from .errors import ConfigError, JobFailed, RunFinished, first_line
 
 DEFAULT_CONFIG = "configs/train.yaml"
-
-
-class ConfigError(Exception):
-    """A mistake the user can fix: bad config, bad flag, missing input. Exit code 2."""
 
 
 def whole_or_auto(value) -> int | str:
@@ -103,6 +102,9 @@ class TrainConfig:
     stop_after_steps: int = _doc(
         "End this job after N optimizer steps of this job with a checkpoint, as if preempted; "
         "0 runs to the end. The schedule still spans max_steps.", 0)
+    max_nonfinite_steps: int = _doc(
+        "A step whose loss or gradient norm is not finite is skipped (parameters, optimizer and schedule "
+        "untouched); after this many in a row the job stops with exit code 3.", 3)
 
     # Back ends.
     deepspeed: str = _doc("DeepSpeed JSON config (train_accelerate and train_trainer).", "")
@@ -110,9 +112,18 @@ class TrainConfig:
         "Skip DDP's gradient all-reduce on all but the last micro-step of each optimizer step. "
         "Turn off only to measure what it saves.", True)
     ddp_bucket_cap_mb: float = _doc("DDP gradient bucket size in MiB.", 25.0)
+    rendezvous_timeout_s: float = _doc(
+        "Seconds to wait for every process to join the process group before giving up with one line.", 300.0)
+    collective_timeout_s: float = _doc(
+        "Seconds a collective (all-reduce, barrier) may wait for the other processes: a process that "
+        "stops responding fails the job after this long instead of hanging it.", 600.0)
 
     def __post_init__(self) -> None:
-        positive = ("max_seq_len", "num_epochs", "global_batch_size", "fp16_init_scale")
+        for f in fields(self):
+            if f.type is float and not math.isfinite(getattr(self, f.name)):
+                raise ConfigError(f"{f.name} must be a finite number, got {getattr(self, f.name)}")
+        positive = ("max_seq_len", "num_epochs", "global_batch_size", "fp16_init_scale", "max_nonfinite_steps",
+                    "rendezvous_timeout_s", "collective_timeout_s")
         if self.micro_batch_size != "auto" and self.micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size must be >= 1 or auto, got {self.micro_batch_size}")
         for name in positive:
@@ -134,25 +145,37 @@ class TrainConfig:
         return asdict(self)
 
 
+_FIELDS = {f.name: f for f in fields(TrainConfig)}
+
+
 class _Parser(HfArgumentParser):
-    """HfArgumentParser that raises ConfigError instead of printing usage and exiting."""
+    """HfArgumentParser that raises ConfigError instead of printing usage and exiting, and takes no
+    abbreviations (`--learning-rat 1` is an unknown flag, not `--learning_rate`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
         # "argument --max_steps/--max-steps: ..." -> "argument --max_steps: ..."
         raise ConfigError(re.sub(r"(--\w+)/--[\w-]+", r"\1", message))
 
 
+def _field_value(key: str, value) -> str:
+    """A YAML value as the flag text argparse parses (and type-checks) like a typed flag."""
+    if isinstance(value, (dict, list)):
+        raise ConfigError(f"key {key!r} must be a single value, got {value!r}")
+    if isinstance(value, bool):
+        choices = getattr(_FIELDS[key].type, "__args__", ())
+        if _FIELDS[key].type is not bool and not (value is False and "no" in choices):
+            raise ConfigError(f"key {key!r} got the YAML boolean {str(value).lower()}; quote the value you mean")
+        # YAML 1.1 reads an unquoted `no` as false: `mixed_precision: no` means "no"
+        return "no" if _FIELDS[key].type is not bool else str(value).lower()
+    return str(value)
+
+
 def _as_flags(values: dict) -> list[str]:
-    flags = []
-    for key, value in values.items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            value = str(value).lower()
-        elif isinstance(value, (dict, list)):
-            raise ConfigError(f"key {key!r} must be a single value, got {value!r}")
-        flags += [f"--{key}", str(value)]
-    return flags
+    return [arg for key, value in values.items() if value is not None
+            for arg in (f"--{key}", _field_value(key, value))]
 
 
 def _read_yaml(path: str) -> dict:
@@ -162,27 +185,35 @@ def _read_yaml(path: str) -> dict:
     try:
         values = yaml.safe_load(config_file.read_text()) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not text (UTF-8): {err.reason}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys to values")
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(values) - known)
+    unknown = sorted(set(map(str, values)) - set(_FIELDS))
     if unknown:
         raise ConfigError(
-            f"unknown key(s) {', '.join(unknown)} in {path}; known keys: {', '.join(sorted(known))}"
+            f"unknown key(s) {', '.join(unknown)} in {path}; known keys: {', '.join(sorted(_FIELDS))}"
         )
     return values
 
 
 def load_config(argv: list[str] | None = None) -> TrainConfig:
-    """Read `--config` (default configs/train.yaml), then apply the command-line flags over it."""
+    """Read `--config` (default configs/train.yaml), then apply the command-line flags over it.
+    `--help` lists every flag with the value the config file gives it."""
     argv = sys.argv[1:] if argv is None else argv
     parser = _Parser(TrainConfig, description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML file with the defaults.")
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=DEFAULT_CONFIG)
     known, _ = pre.parse_known_args(argv)
-    file_flags = _as_flags(_read_yaml(known.config))
+    values = _read_yaml(known.config)
+    file_flags = _as_flags(values)
+    if {"-h", "--help"} & set(argv):
+        parser.set_defaults(**{key: _field_value(key, value) for key, value in values.items()})  # what the file sets
     try:
         parser.parse_args_into_dataclasses(file_flags + ["--config", known.config])
     except ConfigError as err:
@@ -196,14 +227,33 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
 
 
 def run_cli(train: Callable[[TrainConfig], None]) -> None:
-    """Parse the config and train; a ConfigError becomes one line on stderr and exit code 2.
+    """Parse the config and train. A ConfigError becomes one line on stderr and exit code 2, a
+    JobFailed one line and its exit code, a RunFinished one line on stdout and exit code 0, and a
+    lost process (a collective that timed out, a peer that died) one line and exit code 1.
 
     The process group is destroyed only after `train` has returned, so that DDP's reducer (which
     holds the group) is freed first: the other order can hang or abort in gloo's destructor.
     """
+    failed = 0
     try:
         train(load_config())
+    except RunFinished as done:
+        print(done, flush=True)
+        sys.exit(0)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except JobFailed as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        if not err.agreed:  # the others may be waiting in a collective: nothing may meet them now
+            os._exit(err.exit_code)
+        failed = err.exit_code  # every process stops here together: the group can still be destroyed
+    except RuntimeError as err:
+        if not lost_contact(err):
+            raise
+        print(f"error: lost contact with the other processes ({first_line(err)}); the job stops: a restart "
+              "(torchrun --max_restarts, a requeue) resumes it from its newest checkpoint", file=sys.stderr, flush=True)
+        os._exit(1)  # a peer is gone or stuck: nothing may wait on it again, not even the exit
     cleanup()
+    if failed:
+        sys.exit(failed)

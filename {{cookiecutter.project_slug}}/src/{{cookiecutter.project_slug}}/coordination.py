@@ -14,8 +14,9 @@ import os
 from pathlib import Path
 
 from .batch import BatchPlan
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
 from .distributed import DistEnv
+from .errors import ConfigError
 
 
 def check_back_end(cfg: TrainConfig, env: DistEnv, on_accelerate: bool) -> None:
@@ -70,6 +71,8 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict | None:
         raise ConfigError(f"DeepSpeed config {path} not found; pass --deepspeed configs/deepspeed/zero2.json") from None
     except (OSError, ValueError) as err:
         raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"DeepSpeed config {path} must hold a JSON object of settings, got {type(config).__name__}")
     ours = {
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum_steps,

@@ -1,4 +1,5 @@
-"""Data: load, tokenise, order and collate, the same way for every entry point and world size.
+"""Data: order and collate, the same way for every entry point and world size (prepare.py reads
+and tokenises).
 
 Data order (independent of the world size): epoch e draws one permutation of the training set
 from (seed, e). Optimizer step s of the epoch consumes the examples at positions
@@ -10,79 +11,15 @@ number of micro-steps (DDP needs that) and the filler adds exactly zero to the g
 """
 
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
-from datasets import DatasetDict, load_dataset, load_from_disk
 from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
 from .batch import BatchPlan
-from .config import ConfigError, TrainConfig
 
-ASSETS = Path(__file__).resolve().parent / "assets"
 IGNORE_INDEX = -100
-_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-def _load_folder(folder: Path) -> DatasetDict:
-    if (folder / "dataset_dict.json").is_file():
-        return load_from_disk(str(folder))
-    data_files, builder = {}, None
-    for split in ("train", "validation"):
-        matches = [p for p in sorted(folder.glob(f"{split}.*")) if p.suffix in _BUILDERS]
-        if matches:
-            data_files[split] = str(matches[0])
-            builder = _BUILDERS[matches[0].suffix]
-    if "train" not in data_files:
-        raise ConfigError(f"dataset folder {folder} has no train.jsonl/.json/.csv/.parquet file")
-    return load_dataset(builder, data_files=data_files)
-
-
-def load_raw_dataset(cfg: TrainConfig) -> DatasetDict:
-    """The train and validation splits named by `cfg.dataset`, with their columns checked."""
-    if cfg.dataset == "builtin":
-        raw = _load_folder(ASSETS / "data" / cfg.task)
-    elif Path(cfg.dataset).is_dir():
-        raw = _load_folder(Path(cfg.dataset))
-    elif Path(cfg.dataset).exists() or cfg.dataset.startswith((".", "/", "~")):
-        raise ConfigError(f"dataset {cfg.dataset} is not a folder of train/validation files")
-    else:
-        try:
-            raw = load_dataset(cfg.dataset)
-        except Exception as err:  # the hub's errors are many; the user needs the first line
-            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise ConfigError(f"cannot load dataset {cfg.dataset!r}: {reason}") from None
-    if "validation" not in raw:
-        raise ConfigError(f"dataset {cfg.dataset} has no validation split")
-    needed = {"text", "label"} if cfg.task == "sequence_classification" else {"text"}
-    for split in ("train", "validation"):
-        missing = needed - set(raw[split].column_names)
-        if missing:
-            raise ConfigError(
-                f"dataset {cfg.dataset} split {split} lacks column(s) {', '.join(sorted(missing))} "
-                f"needed by task {cfg.task}"
-            )
-    return DatasetDict(train=raw["train"], validation=raw["validation"])
-
-
-def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig) -> DatasetDict:
-    """input_ids/attention_mask (truncated to max_seq_len), plus `label` for classification."""
-    keep = {"label"} if cfg.task == "sequence_classification" else set()
-
-    def encode(batch):
-        return tokenizer(batch["text"], truncation=True, max_length=cfg.max_seq_len)
-
-    return DatasetDict({
-        split: ds.map(encode, batched=True, keep_in_memory=True,
-                      remove_columns=[c for c in ds.column_names if c not in keep])
-        for split, ds in raw.items()
-    })
-
-
-def num_labels(raw: DatasetDict) -> int:
-    return int(max(raw["train"]["label"])) + 1
 
 
 class WindowSampler(Sampler):

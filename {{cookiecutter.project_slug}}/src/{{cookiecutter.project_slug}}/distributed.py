@@ -8,11 +8,14 @@ are reported by every process before any process waits on another.
 import gc
 import os
 import signal
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from .errors import ConfigError, JobFailed, first_line
 
 
 @dataclass(frozen=True)
@@ -32,36 +35,91 @@ class DistEnv:
         return max(1, self.world_size // self.local_world_size)
 
 
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        if default is None:
+            raise ConfigError(f"{name} is not set, but WORLD_SIZE is {os.environ['WORLD_SIZE']}: start the "
+                              "processes with torchrun (or accelerate launch, srun), which sets it for each one")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a whole number; unset it, or start the processes with "
+                          "torchrun, which sets it") from None
+
+
 def dist_env() -> DistEnv:
-    """Read this process's place in the job from the environment (1 process when unset)."""
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    """This process's place in the job, from the launcher's environment (1 process when unset),
+    checked before any process waits on another: numbers, ranges, and the rendezvous address."""
+    world_size = _env_int("WORLD_SIZE", 1)
+    if world_size < 1:
+        raise ConfigError(f"WORLD_SIZE={world_size} must be >= 1")
+    several = world_size > 1
+    rank = _env_int("RANK", None if several else 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    local_rank = _env_int("LOCAL_RANK", None if several else 0)
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"RANK={rank} is outside 0..{world_size - 1} (WORLD_SIZE={world_size})")
+    if not 1 <= local_world_size <= world_size or not 0 <= local_rank < local_world_size:
+        raise ConfigError(f"LOCAL_RANK={local_rank} and LOCAL_WORLD_SIZE={local_world_size} do not fit "
+                          f"WORLD_SIZE={world_size}: LOCAL_RANK must be in 0..LOCAL_WORLD_SIZE-1 <= WORLD_SIZE-1")
+    if several:
+        if not os.environ.get("MASTER_ADDR"):
+            raise ConfigError("MASTER_ADDR is not set: the processes cannot find each other (torchrun sets it)")
+        port = _env_int("MASTER_PORT", None)
+        if not 0 < port < 65536:
+            raise ConfigError(f"MASTER_PORT={port} is not a port (1..65535)")
     if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPU(s): "
+                              "start at most one process per GPU (--nproc_per_node)")
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
     return DistEnv(rank, local_rank, world_size, local_world_size, device)
 
 
-def init_distributed(env: DistEnv) -> None:
-    """Join the process group: nccl on GPUs, gloo on CPU. A single process joins nothing.
+def init_distributed(env: DistEnv, rendezvous_timeout_s: float, collective_timeout_s: float,
+                     alone_too: bool = False) -> None:
+    """Join the process group: nccl on GPUs, gloo on CPU. A single process joins nothing, unless
+    `alone_too` (DeepSpeed needs a group, and without a launcher would look for MPI instead).
 
     Every entry point joins here, before Accelerate or the Trainer would (they use the group they
-    find). The keys of this rendezvous are prefixed with torchrun's restart count: a job that
-    torchrun restarts (--max_restarts) after a crash may get the crashed attempt's store, whose
-    stale process addresses would otherwise be read back (measured: gloo then fails to connect).
+    find). Waiting for the other processes ends after `rendezvous_timeout_s` with one line saying
+    what it waited for; a collective (all-reduce, barrier) waits at most `collective_timeout_s`, so
+    a process that stops answering fails the job instead of hanging it. The keys of this rendezvous
+    are prefixed with torchrun's restart count: a job that torchrun restarts (--max_restarts) after
+    a crash may get the crashed attempt's store, whose stale process addresses would otherwise be
+    read back (measured: gloo then fails to connect).
     """
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
-    if env.world_size > 1 and not dist.is_initialized():
-        timeout = timedelta(seconds=int(os.environ.get("DIST_TIMEOUT_S", 1800)))
-        backend = "nccl" if env.device.type == "cuda" else "gloo"
-        store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if (env.world_size == 1 and not alone_too) or dist.is_initialized():
+        return
+    if env.world_size == 1:  # started without a launcher: a group of one on a free local port
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+            os.environ.setdefault(name, value)
+    backend = "nccl" if env.device.type == "cuda" else "gloo"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size,
+                                           timeout=timedelta(seconds=rendezvous_timeout_s)))
         dist.init_process_group(backend=backend, store=dist.PrefixStore(f"attempt_{attempt}/", store),
-                                rank=env.rank, world_size=env.world_size, timeout=timeout)
+                                rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=collective_timeout_s))
+    except dist.DistError as err:
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        raise JobFailed(f"rank {env.rank} waited {rendezvous_timeout_s:g} s for the {env.world_size} processes of "
+                        f"this job at {where} ({first_line(err)}); start all of them (torchrun --nproc_per_node, one "
+                        "agent per node), or raise --rendezvous_timeout_s") from None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def cleanup() -> None:
@@ -74,6 +132,14 @@ def cleanup() -> None:
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
+
+
+def lost_contact(err: BaseException) -> bool:
+    """Whether `err` says another process of the job is gone or not answering (gloo, nccl)."""
+    text = str(err)
+    return dist.is_initialized() and (isinstance(err, dist.DistError) or any(
+        sign in text for sign in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer",
+                                  "NCCL communicator was aborted", "Watchdog caught collective operation timeout")))
 
 
 class PreemptionSignal:
@@ -118,7 +184,7 @@ def barrier() -> None:
 
 def print0(*args, **kwargs) -> None:
     """print() on the main process only."""
-    if int(os.environ.get("RANK", 0)) == 0:
+    if os.environ.get("RANK", "0") in ("0", ""):
         print(*args, **kwargs, flush=True)
 
 

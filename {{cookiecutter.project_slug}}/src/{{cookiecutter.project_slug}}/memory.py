@@ -19,8 +19,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .batch import largest_fitting
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
 from .distributed import DistEnv, all_reduce_min
+from .errors import ConfigError
 from .model import autocast_for, build_model, summed_loss
 from .optim import build_optimizer
 

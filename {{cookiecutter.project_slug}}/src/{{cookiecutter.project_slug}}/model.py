@@ -23,15 +23,17 @@ from transformers import (
     LlamaConfig,
 )
 
-from .config import ConfigError, TrainConfig
-from .data import ASSETS, IGNORE_INDEX
+from .config import TrainConfig
+from .data import IGNORE_INDEX
+from .errors import ConfigError, first_line
+from .prepare import ASSETS
 
 TINY = "tiny"
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _hub_error(name: str, err: Exception) -> ConfigError:
-    reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    reason = first_line(err)
     where = "local path" if Path(name).exists() else "model"
     return ConfigError(
         f"cannot load {where} {name!r} ({reason}); use model_name_or_path: tiny, a local path, "

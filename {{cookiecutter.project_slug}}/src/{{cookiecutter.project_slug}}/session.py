@@ -7,25 +7,55 @@ so each process reports a ConfigError (exit 2) without waiting on another. (With
 fails the same way on every rank.)
 """
 
+import math
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .batch import BatchPlan, plan_batches
-from .checkpoint import read_state, resolve_resume
+from .checkpoint import (
+    check_same_entry,
+    check_same_training,
+    checkpoints_dir,
+    complete_checkpoints,
+    final_dir,
+    library_versions,
+    note_versions,
+    read_state,
+    resume_point,
+    verify_checkpoint,
+    write_atomically,
+)
 from .config import TrainConfig
-from .coordination import check_back_end, check_launcher_env, deepspeed_config
-from .data import Collator, WindowSampler, eval_dataloader, load_raw_dataset, num_labels, tokenize, train_dataloader
+from .coordination import check_back_end, check_launcher_env, deepspeed_config, deepspeed_config_path
+from .data import Collator, WindowSampler, eval_dataloader, train_dataloader
 from .distributed import DistEnv, PreemptionSignal, dist_env, init_distributed, print0
+from .errors import ConfigError, JobFailed, RunFinished
 from .memory import auto_micro_batch_size, check_auto_micro_batch
 from .model import load_tokenizer, model_config
 from .optim import total_steps
+from .prepare import prepare
+
+
+def make_output_dir(output_dir: str) -> None:
+    """The output folder exists and is writable, found on every process before any waiting."""
+    out = Path(output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"output_dir {out} cannot be created ({err.strerror}); choose a folder you can "
+                          "write to") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir {out} is not writable; choose a folder you can write to")
 
 
 @dataclass
 class Session:
     cfg: TrainConfig
     env: DistEnv
+    entry: str  # pytorch | accelerate | trainer: the checkpoint format
+    backend: str  # ddp | deepspeed
     plan: BatchPlan
     resume: Path | None
     tokenizer: object
@@ -38,33 +68,64 @@ class Session:
     start_step: int = 0  # optimizer steps done before this job: the resumed checkpoint's step
     job_steps: int = 0  # optimizer steps taken by this job (a resumed job starts again at 0)
     stop_reason: str = ""
+    nonfinite: list[int] = field(default_factory=list)  # the latest consecutive non-finite steps
 
     @classmethod
-    def start(cls, cfg: TrainConfig, on_accelerate: bool) -> "Session":
-        """`on_accelerate`: the entry point runs on Accelerate (DeepSpeed, FSDP, its mixed precision)."""
+    def start(cls, cfg: TrainConfig, entry: str, on_accelerate: bool) -> "Session":
+        """Every check a user's mistake can fail, on every process, before any process waits on
+        another. `on_accelerate`: the entry point runs on Accelerate (DeepSpeed, FSDP, its mixed
+        precision)."""
         env = dist_env()
         check_back_end(cfg, env, on_accelerate)
+        backend = "deepspeed" if on_accelerate and deepspeed_config_path(cfg) else "ddp"
+        resume = resume_point(cfg)
+        state = None
+        if resume is not None:
+            finished = resume == final_dir(cfg.output_dir)
+            state = read_state(resume) if finished else verify_checkpoint(resume)
+            check_same_training(state, cfg, resume)
+            if finished:
+                raise RunFinished(f"already done at step {state['step']}: {resume} (nothing changed)")
+            check_same_entry(state, entry, backend, resume)
+        make_output_dir(cfg.output_dir)
         auto = cfg.micro_batch_size == "auto"
         if auto:
             check_auto_micro_batch(cfg, env)
         else:
             plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, env.world_size)
-        resume = resolve_resume(cfg)
         tokenizer = load_tokenizer(cfg)
-        raw = load_raw_dataset(cfg)
-        labels = num_labels(raw) if cfg.task == "sequence_classification" else 2
-        config = model_config(cfg, tokenizer, labels)
-        data = tokenize(raw, tokenizer, cfg)
-        start_step = read_state(resume)["step"] if resume else 0
+        prepared = prepare(cfg, tokenizer)
+        config = model_config(cfg, tokenizer, prepared.num_labels or 2)
+        data = prepared.data
+        if state is not None:
+            before = state.get("num_train_examples", len(data["train"]))
+            if before != len(data["train"]):
+                raise ConfigError(f"{resume} was trained on {before} training examples, dataset {cfg.dataset} now "
+                                  f"has {len(data['train'])}; a run continues only on the same data, or start a "
+                                  "new run in another --output_dir")
+            note_versions(state, resume)
         if auto:  # the one search needs the process group: every rank must agree on the result
-            init_distributed(env)
+            init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s)
             micro_batch_size, chosen_by = auto_micro_batch_size(cfg, config, env)
             plan = plan_batches(cfg.global_batch_size, micro_batch_size, env.world_size, chosen_by)
         check_launcher_env(plan)
         ds_config = deepspeed_config(cfg, plan) if on_accelerate else None
         sampler = WindowSampler(len(data["train"]), plan, env.rank, cfg.seed)
-        return cls(cfg, env, plan, resume, tokenizer, config, data, sampler,
+        start_step = int(state["step"]) if state else 0
+        return cls(cfg, env, entry, backend, plan, resume, tokenizer, config, data, sampler,
                    total_steps(cfg, sampler.steps_per_epoch), ds_config, PreemptionSignal(), start_step)
+
+    def init_distributed(self) -> None:
+        """Join the process group (once; one process joins none, unless it runs DeepSpeed)."""
+        init_distributed(self.env, self.cfg.rendezvous_timeout_s, self.cfg.collective_timeout_s,
+                         alone_too=self.backend == "deepspeed")
+
+    def state(self, step: int) -> dict:
+        """What a checkpoint (or the finished model) records besides its files: a later job checks
+        it before it continues."""
+        return {"step": step, "world_size": self.env.world_size, "entry": self.entry, "backend": self.backend,
+                "total_steps": self.total_steps, "num_train_examples": len(self.data["train"]),
+                "config": self.cfg.to_dict(), "versions": library_versions()}
 
     def banner(self, entry: str, model) -> str:
         return (f"{entry}: {self.cfg.task}, {sum(p.numel() for p in model.parameters()):,} parameters, "
@@ -100,12 +161,53 @@ class Session:
     @property
     def final_dir(self) -> Path:
         """Where the trained model goes: `save_pretrained` output plus the tokenizer."""
-        return Path(self.cfg.output_dir) / "final_model"
+        return final_dir(self.cfg.output_dir)
 
-    def done(self, step: int, tracker) -> None:
+    def save_checkpoint(self, step: int, write) -> Path:
+        """checkpoints/step_<step>, written by `write(folder)` on every process, atomically."""
+        return write_atomically(self.cfg, self.env, checkpoints_dir(self.cfg.output_dir) / f"step_{step}", write,
+                                self.state(step))
+
+    def save_final(self, step: int, write) -> None:
+        """final_model/, written by `write(folder)` on every process, atomically: the run is finished."""
+        write_atomically(self.cfg, self.env, self.final_dir, write, self.state(step))
+
+    def save_model(self, step: int, model) -> None:
+        """final_model/ from a whole (unwrapped, unsharded) model: save_pretrained plus the tokenizer."""
+        def write(folder: Path) -> None:
+            if self.env.is_main_process:
+                model.save_pretrained(folder)
+                self.tokenizer.save_pretrained(folder)
+
+        self.save_final(step, write)
+
+    def check_finite(self, step: int, values: dict, tracker) -> None:
+        """Count the steps in a row whose loss or gradient norm was not finite (each one skipped);
+        stop the job (exit code 3) after max_nonfinite_steps of them. fp16's own overflow skips (a
+        finite loss, an infinite scaled gradient) are the loss scaler's business and do not count."""
+        grad_norm = values.get("grad_norm")
+        bad_norm = grad_norm is not None and not math.isfinite(grad_norm) and self.cfg.mixed_precision != "fp16"
+        if not (bad_norm or not math.isfinite(values["loss"])):
+            self.nonfinite.clear()
+            return
+        self.nonfinite.append(step)
+        if len(self.nonfinite) >= self.cfg.max_nonfinite_steps:
+            tracker.finish()
+            newest = complete_checkpoints(self.cfg.output_dir)
+            kept = f"the last good checkpoint is {newest[-1]}" if newest else "no checkpoint was written"
+            loss = values["loss"]
+            what, value = ("loss", loss) if not math.isfinite(loss) else ("gradient norm", grad_norm)
+            raise JobFailed(f"training diverged: steps {self.nonfinite[0]}-{step} in a row had a non-finite {what} "
+                            f"({value}), each skipped; {kept}, no model saved: lower --learning_rate or "
+                            "--max_grad_norm and start again, or check the data",
+                            exit_code=3, agreed=True)
+
+    def done(self, step: int, tracker=None) -> None:
         """The run's last words, once the entry point has saved the model in final_dir."""
-        print0(f"done: {step} steps; metrics in {tracker.path}, model in {self.final_dir}")
-        tracker.finish()
+        print0(f"done: {step} steps; metrics in {Path(self.cfg.output_dir) / 'metrics.jsonl'}, model in "
+               f"{self.final_dir}")
+        if tracker is not None:
+            tracker.finish()
 
     def should_stop(self, step: int) -> bool:
         """After optimizer step `step` (counted in job_steps): must this job end here, with a
@@ -130,12 +232,13 @@ class Session:
         if sync_counter is not None:
             values["grad_sync_calls"] = sync_counter.take()
         tracker.log(self.record(step, values, tracker.elapsed()))
+        self.check_finite(step, values, tracker)
         self.job_steps += 1
         if (cfg.eval_every and step % cfg.eval_every == 0) or (cfg.eval_every == 0 and ends_epoch):
-            evaluate()
+            evaluate(step)
         stop = self.should_stop(step)
         if stop or (cfg.save_steps and step % cfg.save_steps == 0):
-            checkpoint()
+            checkpoint(step)
         if stop:
             print0(self.stopping(step))
             tracker.finish()

@@ -10,8 +10,10 @@ W&B: the W&B step is the optimizer step; training keys go under `train/`, evalua
 """
 
 import json
+import math
 import netrc
 import os
+import shlex
 import time
 from pathlib import Path
 
@@ -58,11 +60,13 @@ class Tracker:
             self.wandb_run = _init_wandb(cfg, env, plan, resumed, accelerator)
 
     def log(self, record: dict) -> None:
-        """Append one record (a training step or an evaluation) and send it to W&B."""
+        """Append one record (a training step or an evaluation) and send it to W&B. A value that is
+        not a finite number (a diverging step's loss) is written as null: the file stays strict JSON."""
         if not self.active:
             return
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record, allow_nan=False) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(self._wandb_record(record), step=record["step"])
 
@@ -72,7 +76,7 @@ class Tracker:
     def _wandb_record(self, record: dict) -> dict:
         if "eval_loss" in record:
             return {f"eval/{k.removeprefix('eval_')}": v for k, v in record.items() if k.startswith("eval_")}
-        out = {wandb_key: record[key] for key, wandb_key in TRAIN_KEYS.items() if key in record}
+        out = {wandb_key: record[key] for key, wandb_key in TRAIN_KEYS.items() if record.get(key) is not None}
         seconds = record["elapsed_s"] - self.last_elapsed
         out["train/tokens_per_s"] = record["tokens"] / seconds if seconds > 0 else 0.0
         self.last_elapsed = record["elapsed_s"]
@@ -80,10 +84,11 @@ class Tracker:
 
     def finish(self) -> None:
         if self.wandb_run is not None:
-            self.wandb_run.finish()
-            if self.wandb_run.settings.mode == "offline":
-                print0(f"W&B run saved offline in {self.wandb_run.dir}; upload it with: "
-                       f"wandb sync {Path(self.wandb_run.dir).parent}")
+            run, self.wandb_run = self.wandb_run, None
+            run.finish()
+            if run.settings.mode == "offline":
+                print0(f"W&B run saved offline in {run.dir}; upload it with: "
+                       f"wandb sync {shlex.quote(str(Path(run.dir).parent))}")
 
 
 def wandb_settings(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool) -> tuple[dict, dict]:

@@ -18,13 +18,15 @@ when `accelerator.sync_gradients` is True. Four library behaviours are corrected
 - the schedule: a prepared scheduler would step once per process per optimizer step; with
   `step_scheduler_with_optimizer=False` it steps when we say, once per optimizer step;
 - the world: with DeepSpeed on CPU, Accelerate reports one process on every rank, so the world
-  size and the main process come from the launcher's environment (DistEnv) instead.
+  size and the main process come from the launcher's environment (DistEnv) instead, and its
+  process index is set to the rank (else every rank writes the same files of a checkpoint at once,
+  and the file comes out damaged).
 """
 
 import math
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
@@ -33,9 +35,8 @@ from accelerate.utils import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .checkpoint import save_checkpoint
 from .config import TrainConfig, run_cli
-from .distributed import GradSyncCounter, all_reduce_sum, init_distributed, print0
+from .distributed import GradSyncCounter, all_reduce_sum, print0
 from .evaluation import evaluate
 from .model import build_model, count_targets, summed_loss
 from .optim import build_optimizer, build_scheduler
@@ -52,7 +53,6 @@ def train_step(accelerator: Accelerator, model, window: list[dict], optimizer, l
     accelerator.step = k - len(window)  # the window's last micro-step is the one that syncs
     lr = optimizer.param_groups[0]["lr"]  # the lr this step applies (DeepSpeed steps inside backward)
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    grad_norm = None
     for batch in window:
         batch = {key: value.to(accelerator.device) for key, value in batch.items()}
         labels = batch.pop("labels")
@@ -63,22 +63,32 @@ def train_step(accelerator: Accelerator, model, window: list[dict], optimizer, l
             # x world_size undoes the average over ranks: the window then sums to the gradient of
             # the global batch's mean loss.
             accelerator.backward(loss * (k * world_size / num_targets))
+            loss_sum += loss.detach().double()
             if accelerator.sync_gradients:  # DeepSpeed clips inside its step and reports the norm
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
-            optimizer.step()
-            if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                lr_scheduler.step()  # fp16: a step skipped for overflow leaves the schedule
+                # one host sync per optimizer step: the window's loss (all ranks) and the gradient norm
+                loss_total, norm = torch.stack([all_reduce_sum(loss_sum), torch.as_tensor(
+                    grad_norm, dtype=torch.float64, device=accelerator.device)]).tolist()
+                # a non-finite loss or gradient norm skips the step on every rank alike: without
+                # gradients the optimizer's step() changes nothing (DeepSpeed and fp16's scaler also
+                # skip such a step themselves: optimizer_step_was_skipped)
+                finite = math.isfinite(loss_total) and math.isfinite(norm)
+                if not finite:
+                    optimizer.zero_grad(set_to_none=True)
+                optimizer.step()
+                skipped = not finite or accelerator.optimizer_step_was_skipped
+                if not skipped:
+                    lr_scheduler.step()  # fp16: a step skipped for overflow leaves the schedule
             optimizer.zero_grad()
-        loss_sum += loss.detach().double()
-    values = {"loss": all_reduce_sum(loss_sum).item() / num_targets, "lr": lr,
-              "grad_norm": float(grad_norm), "tokens": int(num_targets), "micro_steps": len(window)}
-    if accelerator.mixed_precision == "fp16":
-        values["step_skipped"] = accelerator.optimizer_step_was_skipped
+    values = {"loss": loss_total / num_targets, "lr": lr, "grad_norm": norm, "tokens": int(num_targets),
+              "micro_steps": len(window)}
+    if accelerator.mixed_precision == "fp16" or skipped:
+        values["step_skipped"] = skipped
     return values
 
 
 def train(cfg: TrainConfig) -> None:
-    session = Session.start(cfg, on_accelerate=True)  # every input check, before any waiting
+    session = Session.start(cfg, entry="accelerate", on_accelerate=True)  # every input check, before any waiting
     env = session.env
     model = build_model(cfg, session.model_config)
     optimizer = build_optimizer(model, cfg)
@@ -87,7 +97,7 @@ def train(cfg: TrainConfig) -> None:
     on_cpu = env.device.type == "cpu"
     # Our process group, which Accelerate then uses; also what DeepSpeed on CPU needs (Accelerate
     # only starts DeepSpeed off the CPU path, and DeepSpeed's own CPU backend is oneCCL).
-    init_distributed(env)
+    session.init_distributed()
     accelerator = Accelerator(
         cpu=on_cpu and not session.deepspeed,  # without it Accelerate ignores torchrun's ranks on CPU
         gradient_accumulation_plugin=GradientAccumulationPlugin(
@@ -100,6 +110,8 @@ def train(cfg: TrainConfig) -> None:
                          GradScalerKwargs(init_scale=cfg.fp16_init_scale)],
         deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=session.deepspeed) if session.deepspeed else None,
     )
+    if accelerator.process_index != env.rank:  # DeepSpeed on CPU (see the module docstring)
+        PartialState().process_index = accelerator.state.process_index = env.rank
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
     sync_counter = GradSyncCounter(model) if isinstance(model, DDP) else None
     if session.resume is not None:
@@ -109,12 +121,18 @@ def train(cfg: TrainConfig) -> None:
     tracker = Tracker(cfg, env, session.plan, resumed=session.resume is not None, accelerator=accelerator)
     unwrapped = accelerator.unwrap_model(model)
 
-    def run_eval() -> None:
+    def run_eval(step: int) -> None:
         tracker.log({"step": step, **evaluate(unwrapped, eval_loader, cfg.task, accelerator.device,
                                                accelerator.autocast)})
 
-    def checkpoint() -> None:
-        save_checkpoint(cfg, step, env, lambda folder: accelerator.save_state(str(folder)))
+    def checkpoint(step: int) -> None:
+        session.save_checkpoint(step, lambda folder: accelerator.save_state(str(folder)))
+
+    def save_final(folder) -> None:
+        unwrapped.save_pretrained(folder, is_main_process=env.is_main_process, save_function=accelerator.save,
+                                  state_dict=accelerator.get_state_dict(model))
+        if env.is_main_process:
+            session.tokenizer.save_pretrained(folder)
 
     model.train()
     step = session.start_step
@@ -123,10 +141,7 @@ def train(cfg: TrainConfig) -> None:
         if session.end_step(step, values, tracker, sync_counter, ends_epoch, run_eval, checkpoint):
             return
 
-    unwrapped.save_pretrained(session.final_dir, is_main_process=env.is_main_process,
-                              save_function=accelerator.save, state_dict=accelerator.get_state_dict(model))
-    if env.is_main_process:
-        session.tokenizer.save_pretrained(session.final_dir)
+    session.save_final(step, save_final)
     session.done(step, tracker)
 
 

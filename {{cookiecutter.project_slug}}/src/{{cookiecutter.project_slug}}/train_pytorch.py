@@ -27,9 +27,9 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .checkpoint import load_rng, save_checkpoint, save_rng
+from .checkpoint import load_rng, save_rng
 from .config import TrainConfig, run_cli
-from .distributed import DistEnv, GradSyncCounter, all_reduce_sum, init_distributed, print0
+from .distributed import DistEnv, GradSyncCounter, all_reduce_sum, print0
 from .evaluation import evaluate
 from .model import autocast_for, build_model, count_targets, summed_loss
 from .optim import build_optimizer, build_scheduler
@@ -60,21 +60,33 @@ def train_step(ddp_model, window: list[dict], optimizer, lr_scheduler, scaler, c
     scaler.unscale_(optimizer)  # once per optimizer step, before clipping
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
     lr = optimizer.param_groups[0]["lr"]
-    scale = scaler.get_scale() if scaler.is_enabled() else None
-    scaler.step(optimizer)  # fp16: skipped when the gradients overflowed
-    scaler.update()  # ... and then the scale is halved
-    values = {"loss": all_reduce_sum(loss_sum).item() / num_targets, "lr": lr, "grad_norm": grad_norm.item(),
-              "tokens": int(num_targets), "micro_steps": len(window)}
-    if scale is not None:
-        values["step_skipped"] = scaler.get_scale() < scale
-    if not values.get("step_skipped"):  # a skipped step leaves the schedule where it is
+    # one host sync per optimizer step: the window's loss (all ranks) and the gradient norm
+    loss_total, norm = torch.stack([all_reduce_sum(loss_sum), grad_norm.double()]).tolist()
+    values = {"loss": loss_total / num_targets, "lr": lr, "grad_norm": norm, "tokens": int(num_targets),
+              "micro_steps": len(window)}
+    # a step whose loss or gradient norm is not finite is skipped on every rank alike (both numbers
+    # are the same everywhere): parameters, optimizer state and schedule stay put
+    skipped = not (math.isfinite(loss_total) and math.isfinite(norm))
+    if scaler.is_enabled():  # fp16: the scaler skips a step whose gradients overflowed, and halves the scale
+        scale = scaler.get_scale()
+        if not math.isfinite(loss_total):
+            optimizer.zero_grad(set_to_none=True)  # nothing left to apply: its step() is a no-op
+        scaler.step(optimizer)
+        scaler.update()
+        skipped = skipped or scaler.get_scale() < scale
+        values["step_skipped"] = skipped
+    elif not skipped:
+        optimizer.step()
+    if skipped:
+        values["step_skipped"] = True
+    else:  # a skipped step leaves the schedule where it is
         lr_scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return values
 
 
 def train(cfg: TrainConfig) -> None:
-    session = Session.start(cfg, on_accelerate=False)  # every input check, before any waiting
+    session = Session.start(cfg, entry="pytorch", on_accelerate=False)  # every input check, before any waiting
     env = session.env
     model = build_model(cfg, session.model_config).to(env.device)
     optimizer = build_optimizer(model, cfg)
@@ -83,13 +95,13 @@ def train(cfg: TrainConfig) -> None:
                                   enabled=cfg.mixed_precision == "fp16")
     if session.resume is not None:
         load_model(model, str(session.resume / "model.safetensors"), device=str(env.device))
-        state = torch.load(session.resume / "training_state.pt", map_location=env.device, weights_only=False)
+        state = torch.load(session.resume / "training_state.pt", map_location=env.device, weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
         lr_scheduler.load_state_dict(state["lr_scheduler"])
         scaler.load_state_dict(state["scaler"])
         load_rng(session.resume, env.rank)
 
-    init_distributed(env)
+    session.init_distributed()
     print0(session.banner("train_pytorch", model))
     ddp_model, sync_counter = model, None
     if env.world_size > 1:
@@ -100,10 +112,10 @@ def train(cfg: TrainConfig) -> None:
     train_loader, eval_loader = session.loaders()
     tracker = Tracker(cfg, env, session.plan, resumed=session.resume is not None)
 
-    def run_eval() -> None:
+    def run_eval(step: int) -> None:
         tracker.log({"step": step, **evaluate(model, eval_loader, cfg.task, env.device, autocast)})
 
-    def checkpoint() -> None:
+    def checkpoint(step: int) -> None:
         def write(folder: Path) -> None:
             save_rng(folder, env.rank)
             if env.is_main_process:
@@ -111,7 +123,7 @@ def train(cfg: TrainConfig) -> None:
                 torch.save({"optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
                             "scaler": scaler.state_dict()}, folder / "training_state.pt")
 
-        save_checkpoint(cfg, step, env, write)
+        session.save_checkpoint(step, write)
 
     model.train()
     step = session.start_step
@@ -120,9 +132,7 @@ def train(cfg: TrainConfig) -> None:
         if session.end_step(step, values, tracker, sync_counter, ends_epoch, run_eval, checkpoint):
             return
 
-    if env.is_main_process:
-        model.save_pretrained(session.final_dir)
-        session.tokenizer.save_pretrained(session.final_dir)
+    session.save_model(step, model)
     session.done(step, tracker)
 
 

@@ -21,18 +21,23 @@ becomes `TrainingArguments`. What is ours on top:
   logs it after the scheduler has moved on).
 """
 
+import math
+import shutil
+import traceback
 from functools import partial
 
 import numpy as np
 import torch
 from accelerate.utils import GradScalerKwargs
+from safetensors.torch import load_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .checkpoint import checkpoints_dir, publish_checkpoint
+from .checkpoint import checkpoints_dir, complete_checkpoints, publish
 from .config import TrainConfig, run_cli
-from .distributed import GradSyncCounter, all_reduce_sum, init_distributed, print0
+from .distributed import GradSyncCounter, all_reduce_sum, print0
+from .errors import JobFailed, first_line
 from .evaluation import classification_metrics, confusion_matrix
 from .model import build_model, count_targets, summed_loss
 from .optim import SCHEDULES, build_optimizer, build_scheduler
@@ -106,12 +111,14 @@ class WindowTrainer(Trainer):
 
 
 class RunRecorder(TrainerCallback):
-    """Counts what each optimizer step did and writes it to metrics.jsonl (and W&B)."""
+    """Counts what each optimizer step did and writes it to metrics.jsonl (and W&B); skips a step
+    whose loss or gradient is not finite, as the other entry points do."""
 
     def __init__(self, session: Session, tracker: Tracker):
         self.session, self.tracker = session, tracker
         self.loss_sum = torch.zeros((), dtype=torch.float64)
         self.micro_steps, self.num_targets, self.lr, self.sync_counter = 0, 0, None, None
+        self.loss, self.finite, self.schedule = None, True, None
         self.step_skipped = None
         self.stopped = False
         self.trainer = None
@@ -137,9 +144,31 @@ class RunRecorder(TrainerCallback):
         # The epoch's permutation; set here because a resumed epoch's loader is a skipping copy.
         self.session.sampler.set_epoch(state.global_step // self.session.sampler.steps_per_epoch)
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if args.fp16:  # the Trainer moved the schedule only when the scaler did not skip this step
-            self.step_skipped = self.trainer.accelerator.optimizer_step_was_skipped
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, lr_scheduler=None, model=None, **kwargs):
+        self.lr = optimizer.param_groups[0]["lr"]  # the lr this step applies
+        # One host sync per optimizer step: the window's loss (all ranks) and whether the (clipped)
+        # gradients are finite. A step where either is not is skipped on every rank alike: without
+        # gradients the optimizer's step() changes nothing, and on_step_end puts the schedule back.
+        # (DeepSpeed keeps the gradients itself and skips such a step on its own.)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        loss_total, norm = torch.stack([all_reduce_sum(self.loss_sum.to(args.device)),
+                                        norm.to(args.device, torch.float64)]).tolist()
+        self.loss = loss_total / max(self.num_targets, 1)
+        self.finite = math.isfinite(loss_total) and math.isfinite(norm)
+        if not self.finite:
+            for p in model.parameters():
+                p.grad = None
+            self.schedule = lr_scheduler.state_dict()
+
+    def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        if not self.finite:  # the Trainer moved the schedule after the skipped step: put it back
+            lr_scheduler.load_state_dict(self.schedule)
+            for group, lr in zip(optimizer.param_groups, self.schedule["_last_lr"], strict=True):
+                group["lr"] = lr
+        # fp16, DeepSpeed: the Trainer moved the schedule only when their own check did not skip the step
+        skipped = not self.finite or self.trainer.accelerator.optimizer_step_was_skipped
+        self.step_skipped = skipped if (args.fp16 or skipped) else None
         self.session.job_steps += 1
         if self.session.should_stop(state.global_step):
             control.should_save = control.should_training_stop = True
@@ -153,21 +182,19 @@ class RunRecorder(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         step, cfg = state.global_step, self.session.cfg
         written = checkpoints_dir(cfg.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
-        publish_checkpoint(cfg, step, self.session.env, written)
-
-    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        self.lr = optimizer.param_groups[0]["lr"]  # the lr this step applies
+        publish(cfg, self.session.env, written, checkpoints_dir(cfg.output_dir) / f"step_{step}",
+                self.session.state(step))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if "loss" in logs:
-            loss = all_reduce_sum(self.loss_sum.to(args.device)).item() / max(self.num_targets, 1)
-            values = {"loss": loss, "lr": self.lr, "grad_norm": logs.get("grad_norm"),
+            values = {"loss": self.loss, "lr": self.lr, "grad_norm": logs.get("grad_norm"),
                       "tokens": self.num_targets, "micro_steps": self.micro_steps}
             if self.step_skipped is not None:
                 values["step_skipped"] = self.step_skipped
             if self.sync_counter is not None:
                 values["grad_sync_calls"] = self.sync_counter.take()
             self.tracker.log(self.session.record(state.global_step, values, self.tracker.elapsed()))
+            self.session.check_finite(state.global_step, values, self.tracker)
             self.loss_sum = torch.zeros((), dtype=torch.float64)
             self.micro_steps = 0
         eval_keys = {k: v for k, v in logs.items()
@@ -200,9 +227,14 @@ def compute_metrics(eval_prediction, task: str, num_labels: int) -> dict:
 
 
 def train(cfg: TrainConfig) -> None:
-    session = Session.start(cfg, on_accelerate=True)  # every input check, before any waiting
+    session = Session.start(cfg, entry="trainer", on_accelerate=True)  # every input check, before any waiting
     model = build_model(cfg, session.model_config)
-    init_distributed(session.env)  # the process group the Trainer then uses
+    session.init_distributed()  # the process group the Trainer then uses
+    if session.start_step >= session.total_steps:  # trained to the end, stopped before final_model was saved
+        load_model(model, str(session.resume / "model.safetensors"))
+        session.save_model(session.start_step, model)
+        session.done(session.start_step)
+        return
     args = training_arguments(cfg, session)
     print0(session.banner("train_trainer", model))
     train_loader, _ = session.loaders()
@@ -224,12 +256,23 @@ def train(cfg: TrainConfig) -> None:
         train_loader=train_loader,
     )
     recorder.trainer = trainer
-    trainer.train(resume_from_checkpoint=str(session.resume) if session.resume else None)
+    try:
+        trainer.train(resume_from_checkpoint=str(session.resume) if session.resume else None)
+    except Exception as err:  # the Trainer writes its checkpoints itself: a full disk ends here
+        if not any(frame.name == "_save_checkpoint" for frame in traceback.extract_tb(err.__traceback__)):
+            raise
+        if session.env.is_main_process:  # the Trainer's unpublished checkpoint-<N>: never read, free its space
+            for partial_write in checkpoints_dir(cfg.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+                shutil.rmtree(partial_write, ignore_errors=True)
+        newest = complete_checkpoints(cfg.output_dir)
+        kept = f"the newest complete checkpoint is {newest[-1]}" if newest else "no checkpoint was completed before"
+        raise JobFailed(f"could not write a checkpoint ({type(err).__name__}: {first_line(err)}); {kept}: free "
+                        "space and resume it with --resume_from_checkpoint auto") from None
     if recorder.stopped:
         print0(session.stopping(trainer.state.global_step))
         tracker.finish()
         return
-    trainer.save_model(session.final_dir)
+    session.save_final(trainer.state.global_step, trainer.save_model)
     session.done(trainer.state.global_step, tracker)
 
 

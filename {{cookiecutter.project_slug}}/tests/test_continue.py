@@ -1,0 +1,214 @@
+"""What a later job trusts: a finished run stays final (running the same command again, or a SLURM
+requeue loop, changes no file), and a resume continues only a checkpoint that loads, of the same
+training, from the same entry point (CONTRACT.md section 3)."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from {{ cookiecutter.project_slug }}.checkpoint import MUST_MATCH, check_same_training, verify_checkpoint
+from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
+
+from conftest import ACCUM, ENTRIES, ROOT, flag_args, launch_cmd, one_error_line, run_entry, snapshot
+
+CONFIG = str(ROOT / "configs" / "train.yaml")
+# One process, 2 checkpoints: a run stopped after step 4 of 6 (checkpoints at steps 2 and 4).
+STOPPED = {"micro_batch_size": 4, "global_batch_size": 16, "max_steps": 6, "save_steps": 2, "stop_after_steps": 4,
+           "save_total_limit": 0}
+
+
+def launch(entry: str, out, env, *flags: str) -> subprocess.CompletedProcess:
+    """One process with the suite's FAST flags, then `flags`."""
+    cmd = launch_cmd(entry, 1) + flag_args() + [*flags, "--output_dir", str(out)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
+def flags_of(values: dict) -> list[str]:
+    return [arg for key, value in values.items() for arg in (f"--{key}", str(value))]
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_finished_run_is_final(runs, entry, tmp_path):
+    """The 2-process run of the parity matrix, finished: the same command again is refused; with
+    --resume_from_checkpoint auto (what every sbatch script passes on each requeue) it is "already
+    done" on 1 process too, and not one file changes; a changed training key is refused, naming it."""
+    out = tmp_path / "finished"
+    shutil.copytree(runs(entry, 2, **ACCUM).output_dir, out)
+    before = snapshot(out)
+    flags = flags_of(ACCUM)
+    one_error_line(launch(entry, out, runs.env, *flags),
+                   f"output_dir {out} holds a finished run ({out / 'final_model'}, step 8); to train it further "
+                   f"start a new run from it (--model_name_or_path {out / 'final_model'} --output_dir NEW_DIR)")
+    again = launch(entry, out, runs.env, *flags, "--resume_from_checkpoint", "auto", "--eval_every", "3")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.strip().splitlines()[-1] == f"already done at step 8: {out / 'final_model'} (nothing changed)"
+    cases = [("--seed", "7", "was trained with seed 42, this run has seed 7"),
+             ("--max_steps", "9", "was trained with max_steps 8, this run has max_steps 9")]
+    for flag, value, expected in cases if entry == ENTRIES[0] else cases[:1]:
+        changed = launch(entry, out, runs.env, *flags, "--resume_from_checkpoint", "auto", flag, value)
+        one_error_line(changed, f"{out / 'final_model'} {expected}")
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_requeue_after_the_last_checkpoint_saves_the_model_and_trains_nothing(env, entry, tmp_path):
+    """A job that wrote its last checkpoint (step 4 of 4) but not its final model: the requeued job
+    writes final_model from that checkpoint without another step (the Trainer used to train a 5th),
+    and the next requeue is "already done"."""
+    out, flags = tmp_path / "run", flags_of({**STOPPED, "max_steps": 4, "stop_after_steps": 0})
+    first = launch(entry, out, env, *flags)
+    assert first.returncode == 0, first.stderr[-3000:]
+    model = (out / "final_model" / "model.safetensors").read_bytes()
+    shutil.rmtree(out / "final_model")
+    requeued = launch(entry, out, env, *flags, "--resume_from_checkpoint", "auto")
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert (out / "final_model" / "model.safetensors").read_bytes() == model
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)] == [1, 2, 3, 4]
+    assert "already done at step 4" in launch(entry, out, env, *flags, "--resume_from_checkpoint", "auto").stdout
+
+
+def test_a_finished_model_trains_further_in_a_new_run(runs, env, tmp_path):
+    """What the refusal advises: a new run from final_model/ into a new folder starts from the
+    trained weights (its first loss is the trained model's, well below a fresh model's)."""
+    finished = runs(ENTRIES[0], 2, **ACCUM)
+    further = run_entry(ENTRIES[0], 1, tmp_path / "further", env,
+                        {**ACCUM, "max_steps": 2, "model_name_or_path": finished.output_dir / "final_model"})
+    assert further.returncode == 0, further.stderr[-3000:]
+    assert further.steps[0]["loss"] < finished.steps[0]["loss"] - 0.1
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory, runs):
+    """A run of the first entry point stopped after step 4 of 6, with checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    proc = launch(ENTRIES[0], out, runs.env, *flags_of(STOPPED))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+CHANGED = {"global_batch_size": 32, "seed": 7, "task": "sequence_classification", "model_name_or_path": "gpt2",
+           "dataset": "other/data", "max_seq_len": 32, "optimizer": "sgd", "learning_rate": 0.01,
+           "lr_scheduler_type": "cosine", "warmup_steps": 1, "weight_decay": 0.5, "max_grad_norm": 0.5,
+           "mixed_precision": "fp16"}
+MAY_CHANGE = {"micro_batch_size": 2, "eval_every": 1, "save_steps": 3, "save_total_limit": 1, "stop_after_steps": 1,
+              "report_to": "wandb", "wandb_project": "other", "ddp_bucket_cap_mb": 1, "memory_budget_mb": 5,
+              "collective_timeout_s": 60, "gradient_checkpointing": "true"}
+
+
+def config_with(stopped, **changes):
+    """The config of a run resuming `stopped` with `changes`, as its command line gives it."""
+    return load_config(["--config", CONFIG, *flag_args({**STOPPED, "output_dir": stopped,
+                                                        "resume_from_checkpoint": "auto", **changes})])
+
+
+def test_every_training_key_is_checked():
+    assert set(CHANGED) == set(MUST_MATCH)
+
+
+@pytest.mark.parametrize("key", sorted(CHANGED))
+def test_resume_refuses_a_changed_training_key(stopped, key):
+    checkpoint = stopped / "checkpoints" / "step_4"
+    state = verify_checkpoint(checkpoint)
+    with pytest.raises(ConfigError) as err:
+        check_same_training(state, config_with(stopped, **{key: CHANGED[key]}), checkpoint)
+    before, now = state["config"][key], config_with(stopped, **{key: CHANGED[key]}).to_dict()[key]
+    assert before != now
+    assert str(err.value).startswith(f"{checkpoint} was trained with {key} {before!r}, this run has {key} {now!r}")
+
+
+def test_resume_refuses_another_length_of_training(stopped):
+    checkpoint = stopped / "checkpoints" / "step_4"
+    for changes, expected in (({"max_steps": 9}, "max_steps 6, this run has max_steps 9"),
+                              ({"max_steps": -1}, "max_steps 6, this run has max_steps -1")):
+        with pytest.raises(ConfigError, match=expected):
+            check_same_training(verify_checkpoint(checkpoint), config_with(stopped, **changes), checkpoint)
+
+
+def test_resume_takes_the_keys_that_may_change(stopped):
+    checkpoint = stopped / "checkpoints" / "step_4"
+    check_same_training(verify_checkpoint(checkpoint), config_with(stopped, **MAY_CHANGE), checkpoint)
+
+
+def test_a_changed_key_on_resume_is_one_line_from_the_command_line(stopped, runs, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(stopped, out)
+    proc = launch(ENTRIES[0], out, runs.env, *flags_of({**STOPPED, "global_batch_size": 32}),
+                  "--resume_from_checkpoint", "auto")
+    one_error_line(proc, f"{out / 'checkpoints' / 'step_4'} was trained with global_batch_size 16, this run has "
+                         "global_batch_size 32; a run continues only with the same global_batch_size")
+
+
+@pytest.mark.skipif(len(ENTRIES) < 2, reason="one entry point generated")
+def test_another_entry_points_checkpoint_is_one_line(stopped, runs, tmp_path):
+    proc = launch(ENTRIES[1], stopped, runs.env, *flags_of(STOPPED), "--resume_from_checkpoint", "auto")
+    one_error_line(proc, f"{stopped / 'checkpoints' / 'step_4'} was written by train_{ENTRIES[0]}, not "
+                         f"train_{ENTRIES[1]}: each entry point keeps its library's checkpoint format")
+
+
+class RunsCode:
+    """Pickles as a call of os.system: loading it with pickle would run a command."""
+
+    def __reduce__(self):
+        return os.system, ("touch PWNED",)
+
+
+def damage(folder, how: str) -> str:
+    """Damage a copy of a checkpoint the way `how` says; the file it damaged, by name."""
+    files = sorted((p for p in folder.iterdir() if p.is_file() and p.name != "state.json"),
+                   key=lambda p: p.stat().st_size)
+    pickled = next(p for p in files if p.suffix in (".pt", ".bin", ".pth", ".pkl"))
+    if how == "truncated":
+        target = files[-1]
+        os.truncate(target, target.stat().st_size // 2)
+    elif how == "missing":
+        target = files[0]
+        target.unlink()
+    elif how == "runs_code":  # a valid torch file of the right size (state.json updated), with a trap in it
+        target = pickled
+        torch.save({"state": torch.zeros(2), "trap": RunsCode()}, target)
+        state = json.loads((folder / "state.json").read_text())
+        state["files"][target.name] = target.stat().st_size
+        (folder / "state.json").write_text(json.dumps(state))
+    else:  # garbage of the same size
+        target = pickled
+        target.write_bytes(os.urandom(target.stat().st_size))
+    return target.name
+
+
+@pytest.mark.parametrize("how,expected", [("truncated", "bytes, {} were written"), ("missing", "is missing"),
+                                          ("runs_code", "would run code when loaded (its pickle names posix.system"),
+                                          ("garbage", "is damaged")])
+def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_one_that_loads(stopped, runs, tmp_path, how,
+                                                                                  expected):
+    out = tmp_path / "copy"
+    shutil.copytree(stopped, out)
+    newest = out / "checkpoints" / "step_4"
+    size = {p.name: p.stat().st_size for p in newest.iterdir()}
+    name = damage(newest, how)
+    proc = launch(ENTRIES[0], out, runs.env, *flags_of(STOPPED), "--resume_from_checkpoint", "auto")
+    line = one_error_line(proc, f"error: checkpoint {newest} cannot be loaded: {newest / name} ")
+    assert expected.format(size[name]) in line
+    assert line.endswith(f"the older checkpoint {out / 'checkpoints' / 'step_2'} loads: --resume_from_checkpoint "
+                         f"{out / 'checkpoints' / 'step_2'}")
+    assert not (ROOT / "PWNED").exists() and not (tmp_path / "PWNED").exists()
+
+
+def test_a_resume_under_other_library_versions_says_so_and_goes_on(stopped, runs, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(stopped, out)
+    state_file = out / "checkpoints" / "step_4" / "state.json"
+    state = json.loads(state_file.read_text())
+    state["versions"]["torch"] = "1.0.0"
+    state_file.write_text(json.dumps(state))
+    proc = launch(ENTRIES[0], out, runs.env, *flags_of({**STOPPED, "stop_after_steps": 0}),
+                  "--resume_from_checkpoint", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [line for line in proc.stdout.splitlines() if line.startswith("note: ")]
+    assert notes == [f"note: {state_file.parent} was written with other library versions "
+                     f"(torch 1.0.0 -> {torch.__version__}); continuing"]
+    assert (out / "final_model" / "state.json").is_file()

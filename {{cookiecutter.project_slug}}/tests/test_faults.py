@@ -1,0 +1,150 @@
+"""Faults a long job meets, made for real on 2 gloo processes: a training that diverges, a disk
+that fills while a checkpoint is written (RLIMIT_FSIZE: the kernel refuses the write), a process
+that stops answering (SIGSTOP). Each stops the job cleanly with one line per process and keeps
+what was good; a restart continues from the newest complete checkpoint."""
+
+import json
+import re
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import (
+    ACCUM,
+    ENTRIES,
+    LONG,
+    Run,
+    assert_same_training,
+    background_run,
+    c10d_launch_cmd,
+    error_lines,
+    fault_one_worker,
+    flag_args,
+    free_port,
+    last_records,
+    logs,
+    max_abs_diff,
+    one_error_line,
+    report,
+    run_entry,
+    run_with_publish_hook,
+    strict_records,
+)
+
+# lr 1e30: the first step applies, after it every gradient is NaN (the loss itself stays finite).
+DIVERGING = {"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 10, "learning_rate": 1e30,
+             "save_steps": 1, "save_total_limit": 0}
+STATE_FILES = {"optimizer": ("training_state.pt", "optimizer.bin", "optimizer.pt"),
+               "scheduler": ("training_state.pt", "scheduler.bin", "scheduler.pt")}
+
+
+def saved_state(checkpoint, part: str):
+    """The optimizer (or scheduler) state a checkpoint holds, whatever the entry point's format."""
+    name = next(n for n in STATE_FILES[part] if (checkpoint / n).is_file())
+    state = torch.load(checkpoint / name, weights_only=True)
+    if name == "training_state.pt":  # train_pytorch keeps both in one file
+        return state["optimizer" if part == "optimizer" else "lr_scheduler"]
+    return state
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.equal(b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_diverging_run_skips_its_steps_then_stops_keeping_what_was_good(entry, env, tmp_path):
+    out = tmp_path / "diverged"
+    run = run_entry(entry, 2, out, env, DIVERGING)
+    assert run.returncode == 1 and "exitcode  : 3" in run.stderr, run.stderr[-3000:]
+    lines = error_lines(run.stderr)
+    assert 1 <= len(lines) <= 2 and all(line.startswith(
+        "error: training diverged: steps 2-4 in a row had a non-finite gradient norm (nan), each skipped; the last "
+        f"good checkpoint is {out / 'checkpoints' / 'step_3'}, no model saved") for line in lines), run.stderr[-3000:]
+    records = [r for r in strict_records(out / "metrics.jsonl") if "loss" in r]  # strict JSON: no NaN
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r.get("step_skipped", False) for r in records] == [False, True, True, True]
+    assert [r["grad_norm"] for r in records[1:]] == [None] * 3
+    lrs = [r["lr"] for r in records]
+    assert lrs[1] < lrs[0] and lrs[1] == lrs[2] == lrs[3]  # the schedule stood still on the skipped steps
+    assert not (out / "final_model").exists()
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_1", "step_2", "step_3"]
+    first = load_file(checkpoints / "step_1" / "model.safetensors")
+    for skipped in ("step_2", "step_3"):  # parameters, optimizer state and schedule as after step 1
+        assert max_abs_diff(load_file(checkpoints / skipped / "model.safetensors"), dict(first)) == 0
+        for part in ("optimizer", "scheduler"):
+            assert same(saved_state(checkpoints / skipped, part), saved_state(checkpoints / "step_1", part)), part
+        assert all(torch.isfinite(t).all() for t in load_file(checkpoints / skipped / "model.safetensors").values())
+
+
+def test_how_many_nonfinite_steps_stop_the_job_is_a_setting(env, tmp_path):
+    run = run_entry(ENTRIES[0], 1, tmp_path / "out", env, {**DIVERGING, "max_nonfinite_steps": 1, "save_steps": 0})
+    one_error_line(run, "error: training diverged: steps 2-2 in a row had a non-finite gradient norm (nan)", code=3)
+    assert [r["step"] for r in run.steps] == [1, 2]
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(runs, entry, tmp_path):
+    flags, out = {**ACCUM, "save_steps": 2}, tmp_path / "out"
+    proc = run_with_publish_hook(entry, """
+        done = publish(cfg, env, written, final, state)
+        if state["step"] == 2:  # from now on no file may grow past 100 kB: the next model does not fit
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() fails with EFBIG, as a full disk with ENOSPC
+            resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+        return done""", flags, out, runs.env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = error_lines(proc.stderr)
+    written = re.compile(r"error: could not write (step_4|a checkpoint) \(.*File too large.*\); the newest complete "
+                         f"checkpoint is {re.escape(str(out / 'checkpoints' / 'step_2'))}: free space")
+    others = ("error: could not write step_4 (1 other process(es) failed)", "error: lost contact with the other")
+    assert any(written.match(line) for line in lines), proc.stderr[-3000:]
+    assert all(written.match(line) or line.startswith(others) for line in lines) and len(lines) <= 2, lines
+    assert not re.search(r"\[rank\d\]: Traceback", proc.stderr)  # the workers' (torchrun prints its own)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]  # partial writes removed
+
+    resumed = run_entry(entry, 2, out, runs.env, {**flags, "resume_from_checkpoint": "auto"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming after step 2" in resumed.stdout
+    assert_same_training(resumed, runs(entry, 2, **ACCUM))
+
+
+@pytest.mark.slow
+def test_a_stopped_process_fails_the_job_within_the_collective_timeout_and_it_resumes(runs, tmp_path):
+    """SIGSTOP of one rank under `torchrun --max_restarts 1 ... --resume_from_checkpoint auto`
+    (as the sbatch scripts launch): the other rank's collective times out after 10 s, the job
+    fails instead of hanging, torchrun restarts it, and it continues from its newest checkpoint."""
+    entry = ENTRIES[0]
+    flags = {**LONG, "max_steps": 80, "save_steps": 10, "resume_from_checkpoint": "auto"}
+    straight = runs(entry, 2, **flags)  # the killed-rank test's uninterrupted run
+    out = tmp_path / "stopped"
+    cmd = c10d_launch_cmd(entry, 1, 2, free_port(), "--max_restarts", "1") + flag_args(flags) + [
+        "--collective_timeout_s", "10", "--output_dir", str(out)]
+    with background_run(cmd, runs.env, tmp_path) as proc:
+        stopped_step, redone, resumed_after = fault_one_worker(out, proc, signal.SIGSTOP, tmp_path)
+    stdout, stderr = logs(tmp_path)
+    assert proc.returncode == 0, stderr[-3000:]
+    lost = [line for line in stderr.splitlines() if line.startswith("error: lost contact with the other processes (")]
+    assert len(lost) == 1 and "Timed out waiting 10000ms" in lost[0], stderr[-3000:]
+    resumed_from = int(re.search(r"resuming after step (\d+)", stdout)[1])
+    assert redone["step"] == resumed_from + 1 and resumed_after > 10  # not before the collective timeout
+    job = Run(0, stdout, stderr, out)
+    assert [r["step"] for r in last_records(job)] == list(range(1, 81))
+    diff = assert_same_training(job, straight)
+    report(f"stopped rank ({entry}): SIGSTOP after step {stopped_step}, collective timeout 10 s, torchrun "
+           f"restarted the job, which resumed from step_{resumed_from}: {resumed_after:.1f} s from the stop to the "
+           f"first resumed step; max |param diff| vs uninterrupted {diff:.3g}")
+
+
+def test_strict_records_refuse_nan(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"loss": float("nan")}) + "\n")
+    with pytest.raises(ValueError, match="NaN"):
+        strict_records(path)

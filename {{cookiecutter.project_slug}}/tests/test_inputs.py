@@ -1,0 +1,159 @@
+"""Careless input is caught before any process waits on another: a broken data file, a launch
+variable that does not fit, an output folder that cannot be made. Each is exit code 2 and one line
+on stderr naming what is wrong (the file and line or example, the variable), from every process."""
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
+from {{ cookiecutter.project_slug }}.distributed import dist_env
+from {{ cookiecutter.project_slug }}.model import load_tokenizer
+from {{ cookiecutter.project_slug }}.prepare import prepare
+
+from conftest import ENTRIES, ROOT, free_port, launch_cmd, one_error_line, run_entry, worker_error_lines
+
+CONFIG = str(ROOT / "configs" / "train.yaml")
+
+
+def rows(n: int, label=lambda i: i % 2) -> list[dict]:
+    return [{"text": f"the cat sat on mat {i}", "label": label(i)} for i in range(n)]
+
+
+def jsonl(records: list) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+GOOD_TRAIN, GOOD_VALIDATION = jsonl(rows(12)), jsonl(rows(4))
+# (case, files of the dataset folder, what the one line must say). {d} is the folder.
+BROKEN = [
+    ("malformed_json_line", {"train.jsonl": GOOD_TRAIN + '{"text": "a", "label": 1\n' + GOOD_TRAIN},
+     "dataset file {d}/train.jsonl line 13 is not valid JSON"),
+    ("first_line_not_json", {"train.jsonl": "text,label\n"}, "dataset file {d}/train.jsonl line 1 is not valid JSON"),
+    ("line_not_an_object", {"train.jsonl": "[1, 2]\n"}, "dataset file {d}/train.jsonl line 1 is not a JSON object"),
+    ("empty_train_file", {"train.jsonl": ""}, "dataset file {d}/train.jsonl is empty"),
+    ("blank_train_file", {"train.jsonl": "\n\n"}, "dataset file {d}/train.jsonl holds no examples"),
+    ("null_text", {"train.jsonl": GOOD_TRAIN + jsonl([{"text": None, "label": 0}])},
+     "example 13 has text null: every text must be a string"),
+    ("numeric_text", {"train.jsonl": jsonl(rows(3) + [{"text": 7, "label": 1}])},
+     "example 4 has text 7 (int): every text must be a string"),
+    ("only_numbers_as_text", {"train.jsonl": jsonl([{"text": i, "label": i % 2} for i in range(4)])},
+     "example 1 has text 0 (int)"),
+    ("string_label", {"train.jsonl": jsonl(rows(3) + [{"text": "x", "label": "positive"}])},
+     "example 4 has label 'positive' (str): labels must be whole numbers"),
+    ("negative_label", {"train.jsonl": jsonl(rows(5) + [{"text": "x", "label": -1}])},
+     "example 6 has label -1: labels must be 0, 1, ..."),
+    ("bool_labels", {"train.jsonl": jsonl(rows(4, label=lambda i: i % 2 == 1))},
+     "example 1 has label False (bool)"),
+    ("float_labels", {"train.jsonl": jsonl(rows(4, label=lambda i: i % 2 + 0.0))},
+     "example 1 has label 0.0 (float)"),
+    ("null_label", {"train.jsonl": jsonl(rows(2) + [{"text": "x", "label": None}])},
+     "example 3 has label null"),
+    ("label_of_a_million", {"train.jsonl": jsonl(rows(6) + [{"text": "x", "label": 1_000_000}])},
+     "training labels must be 0..1000000 with every class present, but 999998 of them have no example"),
+    ("class_missing", {"train.jsonl": jsonl(rows(6, label=lambda i: 2 * (i % 2)))},
+     "training labels must be 0..2 with every class present, but 1 of them have no example (1)"),
+    ("validation_label_unseen", {"validation.jsonl": jsonl(rows(2) + [{"text": "x", "label": 5}])},
+     "dataset {d}/validation.jsonl example 3 has label 5, which no training example has"),
+    ("no_label_column", {"train.jsonl": jsonl([{"text": "a b"}] * 4)},
+     "dataset file {d}/train.jsonl lacks column(s) label needed by task sequence_classification"),
+    ("csv_row_too_long", {"train.csv": "text,label\na b,1\nc d,0,9\n", "validation.csv": "text,label\na,1\n"},
+     "dataset file {d}/train.csv cannot be read: Error tokenizing data. C error: Expected 2 fields in line 3"),
+    ("parquet_damaged", {"train.parquet": "PAR1 not really", "validation.parquet": "PAR1", "validation.jsonl": None},
+     "dataset file {d}/train.parquet is not a readable parquet file"),
+    ("json_array_cut_short", {"train.json": '[{"text": "a", "label": 0},\n {"text": "b", "label"',
+                              "validation.json": '[{"text": "a", "label": 0}]'},
+     "dataset file {d}/train.json is not valid JSON at line 2, column"),
+    ("two_formats", {"train.csv": "text,label\na,1\nb,0\n"}, "train.csv and validation.jsonl must have one format"),
+    ("no_validation_file", {"validation.jsonl": None}, "has no validation split"),
+]
+
+
+@pytest.mark.parametrize("case,files,expected", BROKEN, ids=[case for case, _, _ in BROKEN])
+def test_broken_data_is_one_line_naming_the_place(tmp_path, case, files, expected):
+    folder = tmp_path / case
+    folder.mkdir()
+    contents = {"train.jsonl": GOOD_TRAIN, "validation.jsonl": GOOD_VALIDATION, **files}
+    if any(name.startswith("train.") and name != "train.jsonl" for name in files):
+        del contents["train.jsonl"]
+    for name, text in contents.items():
+        if text is not None:
+            (folder / name).write_text(text)
+    cfg = load_config(["--config", CONFIG, "--task", "sequence_classification", "--dataset", str(folder),
+                       "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(ConfigError) as err:
+        prepare(cfg, load_tokenizer(cfg))
+    assert expected.format(d=folder) in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_max_seq_len_must_leave_room_for_text():
+    cfg = load_config(["--config", CONFIG, "--max_seq_len", "2"])
+    with pytest.raises(ConfigError, match="max_seq_len 2 leaves no room for text: the tokenizer adds 2 special"):
+        prepare(cfg, load_tokenizer(cfg))
+
+
+def test_bad_validation_label_stops_every_process_before_training(env, tmp_path):
+    """The case that used to crash at the first evaluation, after a whole epoch: now each of the 2
+    processes reports it at start-up, before the process group exists."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(GOOD_TRAIN)
+    (folder / "validation.jsonl").write_text(jsonl(rows(3) + [{"text": "x", "label": 2}]))
+    run = run_entry(ENTRIES[0], 2, tmp_path / "out", env, {"task": "sequence_classification", "dataset": folder,
+                                                            "micro_batch_size": 2, "global_batch_size": 8})
+    assert run.returncode == 1 and "exitcode  : 2" in run.stderr, run.stderr[-3000:]
+    worker_error_lines(run.stderr, f"error: dataset {folder}/validation.jsonl example 4 has label 2, which no "
+                                   "training example has")
+    assert "optimizer steps" not in run.stdout  # no banner: nothing was built, nothing trained
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+LAUNCH = [
+    ({"WORLD_SIZE": "2"}, "RANK is not set, but WORLD_SIZE is 2"),
+    ({"RANK": "abc"}, "RANK='abc' is not a whole number"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a whole number"),
+    ({"RANK": "5", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, "RANK=5 is outside 0..1"),
+    ({"RANK": "1", "LOCAL_RANK": "3", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "29500"},
+     "LOCAL_RANK=3 and LOCAL_WORLD_SIZE=2 do not fit WORLD_SIZE=2"),
+    ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a port"),
+    ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
+]
+
+
+@pytest.mark.parametrize("variables,expected", LAUNCH, ids=[e.split(" ")[0] for _, e in LAUNCH])
+def test_launch_variables_are_checked(monkeypatch, variables, expected):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        dist_env()
+
+
+def test_a_bad_launch_variable_is_one_line_before_any_waiting(env, tmp_path):
+    proc = subprocess.run(launch_cmd(ENTRIES[0], 1) + ["--report_to", "none", "--output_dir", str(tmp_path / "o")],
+                          cwd=ROOT, env={**env, "WORLD_SIZE": "2"}, capture_output=True, text=True, timeout=120)
+    one_error_line(proc, "RANK is not set, but WORLD_SIZE is 2: start the processes with torchrun")
+
+
+def test_missing_processes_end_with_one_line_after_the_rendezvous_timeout(env, tmp_path):
+    """WORLD_SIZE=2 but only rank 0 started: it waits --rendezvous_timeout_s (3 s), not the
+    collective timeout, and says what it waited for."""
+    port = free_port()
+    env = {**env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": str(port)}
+    cmd = launch_cmd(ENTRIES[0], 1) + ["--report_to", "none", "--rendezvous_timeout_s", "3",
+                                       "--output_dir", str(tmp_path / "o")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    one_error_line(proc, f"rank 0 waited 3 s for the 2 processes of this job at 127.0.0.1:{port}", code=1)
+
+
+def test_output_dir_that_cannot_be_made_is_found_by_every_process_first(env, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    run = run_entry(ENTRIES[0], 2, blocker / "out", env, {"max_steps": 1})
+    assert run.returncode == 1 and "exitcode  : 2" in run.stderr, run.stderr[-3000:]
+    worker_error_lines(run.stderr, f"error: output_dir {blocker / 'out'} cannot be created (Not a directory)")
