@@ -33,4 +33,7 @@ lint: $(VENV)/.installed ## ruff on the template's own code
 assets: $(VENV)/.installed ## regenerate the tokenizer and datasets that ship with every project
 	$(PY) tools/make_assets.py
 
-.PHONY: help venv demo bench test lint assets
+config: $(VENV)/.installed ## write the project's configs/train.yaml from the defaults in its config.py
+	$(PY) tools/sync_config.py
+
+.PHONY: help venv demo bench test lint assets config

@@ -24,6 +24,8 @@ def unchosen_paths(answers: dict) -> list[Path]:
     for entry in ENTRIES:
         if entry not in chosen:
             paths += [Path("src", SLUG, f"train_{entry}.py"), Path("tests", f"test_{entry}.py")]
+    if "trainer" not in chosen:
+        paths.append(Path("src", SLUG, "trainer_adapters.py"))
     # Accelerate and DeepSpeed launch the accelerate and trainer entry points, not plain PyTorch.
     slurm = Path("scripts", "slurm")
     if chosen == ("pytorch",):

@@ -7,11 +7,14 @@ one, else the CPU); `--model gpt2-small --mixed_precision bf16` is the GPU setti
 """
 
 import argparse
+import atexit
 import json
 import math
 import os
 import platform
+import shutil
 import socket
+import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -56,11 +59,24 @@ def entry_points() -> list[str]:
     return [e for e in ("pytorch", "accelerate", "trainer") if (ROOT / "src" / SLUG / f"train_{e}.py").exists()]
 
 
+def data_cache() -> Path:
+    """The benchmarks' own data_cache_dir, empty when they start (the start-up benchmark's first
+    run prepares the data) and removed when they end."""
+    if not _DATA_CACHE:
+        _DATA_CACHE.append(Path(tempfile.mkdtemp(prefix=f"{SLUG}-bench-data-")))
+        atexit.register(shutil.rmtree, _DATA_CACHE[0], True)
+    return _DATA_CACHE[0]
+
+
+_DATA_CACHE: list[Path] = []
+
+
 def train_flags(args: argparse.Namespace, **overrides) -> list[str]:
     """The training flags of every benchmark run: the project's config, causal LM, no W&B, the
     benchmark model's settings and precision, then `overrides`."""
     values = {"config": ROOT / "configs" / "train.yaml", "task": "causal_lm", "report_to": "none",
-              "mixed_precision": args.mixed_precision, **MODELS[args.model], **overrides}
+              "mixed_precision": args.mixed_precision, "data_cache_dir": data_cache(), **MODELS[args.model],
+              **overrides}
     return [arg for key, value in values.items() for arg in (f"--{key}", str(value))]
 
 

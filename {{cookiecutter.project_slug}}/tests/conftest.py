@@ -35,8 +35,12 @@ TASK = yaml.safe_load((ROOT / "configs" / "train.yaml").read_text())["task"]
 LAUNCH_TIMEOUT_S = 240
 MIXED_PRECISION = os.environ.get("TEST_MIXED_PRECISION", "no")
 GPUS = torch.cuda.device_count()
+# The tokenised data, prepared once per data and settings and shared by every run of the suite
+# (kept between sessions: a changed file or setting is prepared anew).
+DATA_CACHE = ROOT / ".pytest_cache" / "data_cache"
 # Small, fast, exact: fp32 unless asked, no dropout, no warmup, no W&B unless a test asks for it.
-FAST = {"report_to": "none", "warmup_steps": "0", "max_seq_len": "48", "mixed_precision": MIXED_PRECISION}
+FAST = {"report_to": "none", "warmup_steps": "0", "max_seq_len": "48", "mixed_precision": MIXED_PRECISION,
+        "data_cache_dir": DATA_CACHE}
 
 
 # The runs several modules share (RunCache launches each once): 8 optimizer steps at global batch
@@ -158,12 +162,16 @@ def c10d_launch_cmd(entry: str, nnodes: int, nproc_per_node: int, port: int, *ag
             "-m", f"{SLUG}.train_{entry}"]
 
 
-def accelerate_launch(config: str, nproc: int, env: dict, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    """train_accelerate under `accelerate launch --config_file configs/accelerate/<config>.yaml`."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/{config}.yaml",
+def accelerate_launch(config: str | None, nproc: int, env: dict, out: Path, *extra: str,
+                      entry: str = "accelerate") -> Run:
+    """An entry point under `accelerate launch --config_file configs/accelerate/<config>.yaml`
+    (`--multi_gpu` when `config` is None: a project generated without the Accelerate configs)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch",
+           *(["--config_file", f"configs/accelerate/{config}.yaml"] if config else ["--multi_gpu"]),
            "--num_processes", str(nproc), "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
-           "-m", f"{SLUG}.train_accelerate", "--report_to", "none", "--output_dir", str(out), *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+           "-m", f"{SLUG}.train_{entry}", "--report_to", "none", "--output_dir", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    return Run(proc.returncode, proc.stdout, proc.stderr, out)
 
 
 def flag_args(flags: dict | None = None) -> list[str]:
@@ -358,9 +366,9 @@ publish = checkpoint.publish
 def hooked(cfg, env, written, final, state):
 {body}
 
-checkpoint.publish = hooked
-if hasattr(entry, "publish"):
-    entry.publish = hooked
+for name, module in list(sys.modules.items()):  # every module of the project that imported it
+    if name.startswith("{SLUG}.") and getattr(module, "publish", None) is publish:
+        module.publish = hooked
 entry.main()
 """)
     cmd = launch_cmd(entry, 2)

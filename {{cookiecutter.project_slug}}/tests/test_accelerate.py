@@ -38,18 +38,19 @@ def test_accelerate_config_loads(path):
         assert ds_file.name == f"zero{stage}.json" and ds_file.is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config,nproc", [("single", 1), ("multi_gpu", 2), ("deepspeed_zero2", 2)])
 def test_accelerate_launch_runs(config, nproc, env, tmp_path):
     if (ROOT / "configs" / "accelerate" / f"{config}.yaml").exists() is False:
         pytest.skip(f"{config}.yaml not generated (deepspeed_stage: none)")
-    proc = accelerate_launch(config, nproc, env, tmp_path / "out", "--max_steps", "2",
-                             "--micro_batch_size", "2", "--global_batch_size", "8")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["world_size"]) for r in steps if "loss" in r] == [(1, nproc), (2, nproc)]
+    run = accelerate_launch(config, nproc, env, tmp_path / "out", "--max_steps", "2",
+                            "--micro_batch_size", "2", "--global_batch_size", "8")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [(r["step"], r["world_size"]) for r in run.steps] == [(1, nproc), (2, nproc)]
     assert (tmp_path / "out" / "final_model" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not DEEPSPEED, reason="no DeepSpeed configs generated (deepspeed_stage: none)")
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_deepspeed_trains_like_ddp(runs, stage):
@@ -66,6 +67,7 @@ def test_deepspeed_trains_like_ddp(runs, stage):
     assert diff <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not DEEPSPEED, reason="no DeepSpeed configs generated (deepspeed_stage: none)")
 def test_deepspeed_boundary_follows_short_windows(runs, small_dataset):
     # 37 examples, 2 processes, micro 4, global 24: accumulation 3, and each epoch ends in a short
@@ -95,6 +97,7 @@ def mismatch_json(tmp_path, **keys):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key,value", [("gradient_accumulation_steps", 8), ("train_batch_size", 32),
                                        ("train_micro_batch_size_per_gpu", 4)])
 def test_deepspeed_json_that_disagrees_is_refused(env, tmp_path, key, value):
@@ -107,6 +110,7 @@ def test_deepspeed_json_that_disagrees_is_refused(env, tmp_path, key, value):
     assert "exitcode  : 2" in run.stderr
 
 
+@pytest.mark.slow
 def test_accelerate_yaml_that_disagrees_is_refused(env, tmp_path):
     yaml_path = tmp_path / "acc.yaml"
     yaml_path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
@@ -123,6 +127,7 @@ def test_accelerate_yaml_that_disagrees_is_refused(env, tmp_path):
     assert "exitcode  : 2" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not DEEPSPEED, reason="no DeepSpeed configs generated (deepspeed_stage: none)")
 def test_deepspeed_json_that_is_not_an_object_is_one_line(env, tmp_path):
     path = tmp_path / "ds.json"
@@ -131,6 +136,7 @@ def test_deepspeed_json_that_is_not_an_object_is_one_line(env, tmp_path):
     one_error_line(run, f"error: DeepSpeed config {path} must hold a JSON object of settings, got list")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not DEEPSPEED, reason="no DeepSpeed configs generated (deepspeed_stage: none)")
 def test_deepspeed_runs_without_a_launcher(env, tmp_path):
     """`python -m ...train_accelerate --deepspeed ...` on one process: DeepSpeed would look for MPI

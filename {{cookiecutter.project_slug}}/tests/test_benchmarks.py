@@ -18,6 +18,7 @@ def quick_args(tmp_path):
     return parser("test").parse_args(["--quick", "--results", str(tmp_path / "results.json")])
 
 
+@pytest.mark.slow
 def test_no_sync_sends_one_gradient_per_optimizer_step(tmp_path):
     if 0 < torch.cuda.device_count() < communication.WORLD_SIZE:
         pytest.skip(f"{communication.WORLD_SIZE} processes need {communication.WORLD_SIZE} GPUs (nccl)")

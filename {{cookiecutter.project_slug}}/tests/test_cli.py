@@ -22,29 +22,41 @@ def bad_inputs(tmp_path):
     return [
         (["--max_stepz", "3"], "unknown flag(s) ['--max_stepz', '3']"),
         (["--learning_rate", "fast"], "argument --learning_rate: invalid float value: 'fast'"),
+        (["--output_dir", str(file_in_the_way)], "is a file; choose a folder"),
         (["--config", "nope.yaml"], "config file nope.yaml not found"),
+        (["--resume_from_checkpoint", str(tmp_path / "nothing")], "is not a complete checkpoint"),
         (["--dataset", str(tmp_path / "missing")], "is not a folder of train/validation files"),
+        (["--model_name_or_path", "no-such-org/no-such-model"], "cannot load model 'no-such-org/no-such-model'"),
         (["--global_batch_size", "10", "--micro_batch_size", "4"],
          "global_batch_size 10 is not divisible by micro_batch_size 4 x world_size 1 = 4"),
-        (["--model_name_or_path", "no-such-org/no-such-model"], "cannot load model 'no-such-org/no-such-model'"),
-        (["--resume_from_checkpoint", str(tmp_path / "nothing")], "is not a complete checkpoint"),
-        (["--output_dir", str(file_in_the_way)], "is a file; choose a folder"),
     ]
 
 
+def assert_one_line(entry, args, message, env, tmp_path) -> None:
+    proc = launch(entry, 1, args, env, tmp_path)
+    assert proc.returncode == 2, (args, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, args
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and message in lines[0], (args, proc.stderr[-1000:])
+
+
 @pytest.mark.parametrize("entry", ENTRIES)
-def test_bad_input_exits_2_with_one_line(entry, env, tmp_path):
-    # Every entry point runs the same start-up checks (Session.start): the first entry point is
-    # tried with each mistake, the others with a sample that proves the wiring.
-    cases = bad_inputs(tmp_path)
-    for args, message in cases if entry == ENTRIES[0] else cases[1::3]:
-        proc = launch(entry, 1, args, env, tmp_path)
-        assert proc.returncode == 2, (args, proc.stderr[-2000:])
-        assert "Traceback" not in proc.stderr, args
-        lines = error_lines(proc.stderr)
-        assert len(lines) == 1 and message in lines[0], (args, proc.stderr[-1000:])
+def test_a_bad_input_exits_2_with_one_line(entry, env, tmp_path):
+    args, message = bad_inputs(tmp_path)[ENTRIES.index(entry) % len(bad_inputs(tmp_path))]
+    assert_one_line(entry, args, message, env, tmp_path)
 
 
+@pytest.mark.slow
+def test_bad_inputs_found_at_each_stage_of_the_start_exit_2_with_one_line(env, tmp_path):
+    """Every entry point runs the same start-up checks (Session.start), whose messages the
+    in-process tests check one by one (test_config, test_inputs, test_continue): here one mistake
+    found at each stage of the start-up (flags, output folder, resume, data, model) on the command
+    line, each exit code 2 and one line."""
+    for args, message in bad_inputs(tmp_path)[::2]:
+        assert_one_line(ENTRIES[0], args, message, env, tmp_path)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_workers_report_their_error_under_torchrun(entry, env, tmp_path):
     proc = launch(entry, 2, ["--global_batch_size", "16", "--micro_batch_size", "3"], env, tmp_path)

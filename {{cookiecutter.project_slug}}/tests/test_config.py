@@ -1,12 +1,13 @@
 """One config, typed: YAML keys and flags map one to one, and mistakes are ConfigErrors."""
 
+import re
 from dataclasses import fields
 
 import pytest
 import yaml
 
 from {{ cookiecutter.project_slug }}.batch import plan_batches
-from {{ cookiecutter.project_slug }}.config import ConfigError, TrainConfig, load_config
+from {{ cookiecutter.project_slug }}.config import ConfigError, TrainConfig, load_config, render_yaml
 
 from conftest import ROOT
 
@@ -17,6 +18,21 @@ def test_config_file_holds_every_field_and_nothing_else():
     keys = set(yaml.safe_load(CONFIG.read_text()))
     assert keys == {f.name for f in fields(TrainConfig)}
     assert all(f.metadata.get("help") for f in fields(TrainConfig))
+
+
+def test_every_default_lives_once_in_the_dataclass(tmp_path, capsys):
+    """configs/train.yaml is written from TrainConfig (`python -m <slug>.config`), and an empty
+    config file, that file and --help all give TrainConfig's defaults."""
+    assert CONFIG.read_text() == render_yaml(), "configs/train.yaml is stale: python -m <slug>.config > it"
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(["--config", str(empty)]) == TrainConfig() == load_config(["--config", str(CONFIG)])
+    with pytest.raises(SystemExit):
+        load_config(["--config", str(CONFIG), "--help"])
+    options = " ".join(capsys.readouterr().out.split()).partition("options:")[2]
+    for key, value in TrainConfig().to_dict().items():  # each option's text ends with its default
+        shown = re.search(r"\(default: ([^)]*)\)", options[options.index(f"--{key} "):])[1]
+        assert shown == (str(value).lower() if isinstance(value, bool) else str(value)), key
 
 
 def test_flags_override_the_file(tmp_path):

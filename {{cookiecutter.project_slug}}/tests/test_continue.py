@@ -13,7 +13,7 @@ import torch
 from {{ cookiecutter.project_slug }}.checkpoint import MUST_MATCH, check_same_training, verify_checkpoint
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 
-from conftest import ACCUM, ENTRIES, ROOT, flag_args, launch_cmd, one_error_line, run_entry, snapshot
+from conftest import ACCUM, ENTRIES, ROOT, Run, flag_args, launch_cmd, one_error_line, run_entry, snapshot
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 # One process, 2 checkpoints: a run stopped after step 4 of 6 (checkpoints at steps 2 and 4).
@@ -31,34 +31,14 @@ def flags_of(values: dict) -> list[str]:
     return [arg for key, value in values.items() for arg in (f"--{key}", str(value))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
-def test_a_finished_run_is_final(runs, entry, tmp_path):
-    """The 2-process run of the parity matrix, finished: the same command again is refused; with
-    --resume_from_checkpoint auto (what every sbatch script passes on each requeue) it is "already
-    done" on 1 process too, and not one file changes; a changed training key is refused, naming it."""
-    out = tmp_path / "finished"
-    shutil.copytree(runs(entry, 2, **ACCUM).output_dir, out)
-    before = snapshot(out)
-    flags = flags_of(ACCUM)
-    one_error_line(launch(entry, out, runs.env, *flags),
-                   f"output_dir {out} holds a finished run ({out / 'final_model'}, step 8); to train it further "
-                   f"start a new run from it (--model_name_or_path {out / 'final_model'} --output_dir NEW_DIR)")
-    again = launch(entry, out, runs.env, *flags, "--resume_from_checkpoint", "auto", "--eval_every", "3")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.strip().splitlines()[-1] == f"already done at step 8: {out / 'final_model'} (nothing changed)"
-    cases = [("--seed", "7", "was trained with seed 42, this run has seed 7"),
-             ("--max_steps", "9", "was trained with max_steps 8, this run has max_steps 9")]
-    for flag, value, expected in cases if entry == ENTRIES[0] else cases[:1]:
-        changed = launch(entry, out, runs.env, *flags, "--resume_from_checkpoint", "auto", flag, value)
-        one_error_line(changed, f"{out / 'final_model'} {expected}")
-    assert snapshot(out) == before
-
-
-@pytest.mark.parametrize("entry", ENTRIES)
-def test_a_requeue_after_the_last_checkpoint_saves_the_model_and_trains_nothing(env, entry, tmp_path):
+def test_a_finished_run_is_final(env, entry, tmp_path):
     """A job that wrote its last checkpoint (step 4 of 4) but not its final model: the requeued job
-    writes final_model from that checkpoint without another step (the Trainer used to train a 5th),
-    and the next requeue is "already done"."""
+    writes final_model from that checkpoint without another step (the Trainer used to train a 5th).
+    Then the run is final: the same command again is refused; with --resume_from_checkpoint auto
+    (what every sbatch script passes on each requeue) it is "already done", not one file changes;
+    a changed training key is refused, naming it."""
     out, flags = tmp_path / "run", flags_of({**STOPPED, "max_steps": 4, "stop_after_steps": 0})
     first = launch(entry, out, env, *flags)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -67,11 +47,24 @@ def test_a_requeue_after_the_last_checkpoint_saves_the_model_and_trains_nothing(
     requeued = launch(entry, out, env, *flags, "--resume_from_checkpoint", "auto")
     assert requeued.returncode == 0, requeued.stderr[-3000:]
     assert (out / "final_model" / "model.safetensors").read_bytes() == model
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
-            if "loss" in json.loads(line)] == [1, 2, 3, 4]
-    assert "already done at step 4" in launch(entry, out, env, *flags, "--resume_from_checkpoint", "auto").stdout
+    assert [r["step"] for r in Run(0, "", "", out).steps] == [1, 2, 3, 4]
+
+    before = snapshot(out)
+    one_error_line(launch(entry, out, env, *flags),
+                   f"output_dir {out} holds a finished run ({out / 'final_model'}, step 4); to train it further "
+                   f"start a new run from it (--model_name_or_path {out / 'final_model'} --output_dir NEW_DIR)")
+    again = launch(entry, out, env, *flags, "--resume_from_checkpoint", "auto", "--eval_every", "3")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.strip().splitlines()[-1] == f"already done at step 4: {out / 'final_model'} (nothing changed)"
+    cases = [("--seed", "7", "was trained with seed 42, this run has seed 7"),
+             ("--max_steps", "9", "was trained with max_steps 4, this run has max_steps 9")]
+    for flag, value, expected in cases if entry == ENTRIES[0] else cases[:1]:
+        changed = launch(entry, out, env, *flags, "--resume_from_checkpoint", "auto", flag, value)
+        one_error_line(changed, f"{out / 'final_model'} {expected}")
+    assert snapshot(out) == before
 
 
+@pytest.mark.slow
 def test_a_finished_model_trains_further_in_a_new_run(runs, env, tmp_path):
     """What the refusal advises: a new run from final_model/ into a new folder starts from the
     trained weights (its first loss is the trained model's, well below a fresh model's)."""
@@ -94,7 +87,7 @@ def stopped(tmp_path_factory, runs):
 CHANGED = {"global_batch_size": 32, "seed": 7, "task": "sequence_classification", "model_name_or_path": "gpt2",
            "dataset": "other/data", "max_seq_len": 32, "optimizer": "sgd", "learning_rate": 0.01,
            "lr_scheduler_type": "cosine", "warmup_steps": 1, "weight_decay": 0.5, "max_grad_norm": 0.5,
-           "mixed_precision": "fp16"}
+           "mixed_precision": "fp16", "packing": "true"}
 MAY_CHANGE = {"micro_batch_size": 2, "eval_every": 1, "save_steps": 3, "save_total_limit": 1, "stop_after_steps": 1,
               "report_to": "wandb", "wandb_project": "other", "ddp_bucket_cap_mb": 1, "memory_budget_mb": 5,
               "collective_timeout_s": 60, "gradient_checkpointing": "true"}
@@ -134,6 +127,7 @@ def test_resume_takes_the_keys_that_may_change(stopped):
     check_same_training(verify_checkpoint(checkpoint), config_with(stopped, **MAY_CHANGE), checkpoint)
 
 
+@pytest.mark.slow
 def test_a_changed_key_on_resume_is_one_line_from_the_command_line(stopped, runs, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(stopped, out)
@@ -143,6 +137,7 @@ def test_a_changed_key_on_resume_is_one_line_from_the_command_line(stopped, runs
                          "global_batch_size 32; a run continues only with the same global_batch_size")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(ENTRIES) < 2, reason="one entry point generated")
 def test_another_entry_points_checkpoint_is_one_line(stopped, runs, tmp_path):
     proc = launch(ENTRIES[1], stopped, runs.env, *flags_of(STOPPED), "--resume_from_checkpoint", "auto")
@@ -180,6 +175,7 @@ def damage(folder, how: str) -> str:
     return target.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how,expected", [("truncated", "bytes, {} were written"), ("missing", "is missing"),
                                           ("runs_code", "would run code when loaded (its pickle names posix.system"),
                                           ("garbage", "is damaged")])
@@ -198,6 +194,7 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_one_that_loads
     assert not (ROOT / "PWNED").exists() and not (tmp_path / "PWNED").exists()
 
 
+@pytest.mark.slow
 def test_a_resume_under_other_library_versions_says_so_and_goes_on(stopped, runs, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(stopped, out)

@@ -1,15 +1,26 @@
 """Data order and collation: deterministic, independent of the world size, nothing duplicated
-or dropped, padding on the right and masked out of the loss."""
+or dropped, padding on the right and masked out of the loss; and the data's preparation: once per
+data and settings, shared by every process and later run, packed into blocks when asked."""
 
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
 import pytest
+from datasets import Dataset, concatenate_datasets
 
 from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.data import IGNORE_INDEX, Collator, WindowSampler, eval_dataloader
 from {{ cookiecutter.project_slug }}.model import count_targets, load_tokenizer
-from {{ cookiecutter.project_slug }}.prepare import find_source, prepare
+from {{ cookiecutter.project_slug }}.prepare import cache_folder, check_source, find_source, pack, prepare
 
-from conftest import ROOT
+from conftest import DATA_CACHE, ENTRIES, ROOT, flag_args, run_entry
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 
@@ -56,7 +67,7 @@ def test_resume_position_skips_the_consumed_windows():
 
 @pytest.fixture(scope="module")
 def lm():
-    cfg = load_config(["--config", CONFIG, "--task", "causal_lm"])
+    cfg = load_config(["--config", CONFIG, "--task", "causal_lm", "--data_cache_dir", str(DATA_CACHE)])
     tokenizer = load_tokenizer(cfg)
     return cfg, tokenizer, prepare(cfg, tokenizer).data
 
@@ -92,7 +103,7 @@ def test_eval_shards_count_every_example_once(lm, world_size, batch_size):
 
 
 def test_classification_labels(tmp_path):
-    cfg = load_config(["--config", CONFIG, "--task", "sequence_classification"])
+    cfg = load_config(["--config", CONFIG, "--task", "sequence_classification", "--data_cache_dir", str(DATA_CACHE)])
     tokenizer = load_tokenizer(cfg)
     data = prepare(cfg, tokenizer).data
     rows = [{**data["train"][i], "real": i != 2} for i in range(4)]
@@ -109,5 +120,129 @@ def test_dataset_errors(tmp_path):
         find_source(load_config(["--config", CONFIG, "--dataset", str(tmp_path)]))
     (tmp_path / "validation.jsonl").write_text('{"text": "a b"}\n')
     with pytest.raises(ConfigError, match=r"lacks column\(s\) label"):
-        find_source(load_config(["--config", CONFIG, "--dataset", str(tmp_path),
-                                      "--task", "sequence_classification"]))
+        check_source(find_source(load_config(["--config", CONFIG, "--dataset", str(tmp_path),
+                                              "--task", "sequence_classification"])), "sequence_classification")
+
+
+def documents(*docs: list[int], chunks: int = 1):
+    """A tokenised dataset of `docs` (input_ids), stored in `chunks` Arrow chunks, in order."""
+    size = math.ceil(len(docs) / chunks)
+    return concatenate_datasets([Dataset.from_dict({"input_ids": list(docs[i:i + size])})
+                                 for i in range(0, len(docs), size)])
+
+
+def test_packing_joins_documents_with_one_eos_and_cuts_blocks(tmp_path):
+    eos = 3
+    docs = [[2, 10, 11, eos], [2, 12, eos], [2, 13, 14, 15, 16, eos], [20, 21]]  # the last lacks an EOS
+    blocks = pack(documents(*docs), eos, 4, tmp_path / "p.arrow")["input_ids"]
+    stream = [t for d in docs for t in (d if d[-1] == eos else [*d, eos])]
+    assert stream.count(eos) == len(docs)  # one EOS after each document, never two
+    assert blocks == [stream[i:i + 4] for i in range(0, len(stream) - len(stream) % 4, 4)]  # the rest dropped
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_packed_blocks_do_not_depend_on_how_the_documents_are_stored(tmp_path, chunks):
+    docs = [[2, *range(10, 10 + n), 3] for n in (5, 1, 9, 3, 7, 2, 11, 4)]
+    one = pack(documents(*docs), 3, 6, tmp_path / "one.arrow")["input_ids"]
+    assert pack(documents(*docs, chunks=chunks), 3, 6, tmp_path / "many.arrow")["input_ids"] == one
+
+
+def test_packed_data_is_the_same_whatever_the_number_of_tokenising_processes(tmp_path):
+    def blocks(num_proc: int) -> list:
+        cfg = load_config(["--config", CONFIG, "--task", "causal_lm", "--packing", "true", "--max_seq_len", "32",
+                           "--data_num_proc", str(num_proc), "--data_cache_dir", str(tmp_path / f"cache{num_proc}")])
+        return prepare(cfg, load_tokenizer(cfg)).data["train"]["input_ids"]
+
+    one, two = blocks(1), blocks(2)
+    assert one == two and len(one) > 100 and {len(b) for b in one} == {32}
+
+
+def test_the_permutation_is_drawn_once_per_epoch(monkeypatch):
+    sampler = samplers(1000, 16, 2, 2)[0]
+    drawn = []
+    generator = np.random.default_rng
+    monkeypatch.setattr(np.random, "default_rng", lambda seed: drawn.append(seed) or generator(seed))
+    for epoch in (0, 0, 1):
+        sampler.set_epoch(epoch)
+        assert len(list(sampler)) == len(sampler)
+    assert drawn == [[7, 0], [7, 1]]
+
+
+def prepare_in(folder, cache, *flags):
+    cfg = load_config(["--config", CONFIG, "--task", "causal_lm", "--dataset", str(folder),
+                       "--data_cache_dir", str(cache), *flags])
+    return prepare(cfg, load_tokenizer(cfg))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    folder = tmp_path / "corpus"
+    shutil.copytree(ROOT / "src" / "{{ cookiecutter.project_slug }}" / "assets" / "data" / "causal_lm", folder)
+    return folder
+
+
+def test_a_warm_start_reads_only_the_prepared_data(corpus, tmp_path):
+    """The second start finds the prepared folder by the raw files' size and mtime, and does not
+    read them: garbage of the same size and mtime in their place changes nothing."""
+    first = prepare_in(corpus, tmp_path / "cache")
+    meta = (first.folder / "prepared.json").stat().st_mtime_ns
+    train = corpus / "train.jsonl"
+    stat = train.stat()
+    train.write_bytes(b"\0" * stat.st_size)
+    os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = prepare_in(corpus, tmp_path / "cache")
+    assert second.folder == first.folder and (second.folder / "prepared.json").stat().st_mtime_ns == meta
+    assert second.data["train"]["input_ids"] == first.data["train"]["input_ids"]
+
+
+@pytest.mark.parametrize("change", ["file", "max_seq_len", "packing"])
+def test_what_changes_the_data_prepares_it_anew(corpus, tmp_path, change):
+    first = prepare_in(corpus, tmp_path / "cache").folder
+    flags = {"max_seq_len": ["--max_seq_len", "32"], "packing": ["--packing", "true"]}.get(change, [])
+    if change == "file":
+        with (corpus / "train.jsonl").open("a") as f:
+            f.write('{"text": "one more story"}\n')
+    second = prepare_in(corpus, tmp_path / "cache", *flags)
+    assert second.folder != first and (first / "prepared.json").is_file()
+
+
+def test_a_lock_left_by_a_dead_preparer_is_taken_over(corpus, tmp_path):
+    cfg = load_config(["--config", CONFIG, "--task", "causal_lm", "--dataset", str(corpus),
+                       "--data_cache_dir", str(tmp_path / "cache")])
+    tokenizer = load_tokenizer(cfg)
+    folder = cache_folder(cfg, find_source(cfg), tokenizer)
+    folder.parent.mkdir(parents=True)
+    lock = folder.with_name(folder.name + ".lock")
+    lock.write_text('{"host": "gone", "pid": 1}')
+    os.utime(lock, (time.time() - 120, time.time() - 120))  # no heartbeat for two minutes
+    assert prepare(cfg, tokenizer).folder == folder and not lock.exists()
+
+
+@pytest.mark.slow
+def test_two_processes_prepare_the_data_once_and_a_second_start_reuses_it(env, corpus, tmp_path):
+    flags = {"dataset": corpus, "data_cache_dir": tmp_path / "cache", "micro_batch_size": 2, "global_batch_size": 8,
+             "max_steps": 2}
+    first = run_entry(ENTRIES[0], 2, tmp_path / "first", env, flags)
+    assert first.returncode == 0, first.stderr[-3000:]
+    output = first.stdout + first.stderr
+    assert output.count("data: preparing ") == 1 and output.count("data: prepared ") == 1, output[-3000:]
+    (folder,) = (tmp_path / "cache").glob("causal_lm-corpus-*")
+    meta = json.loads((folder / "prepared.json").read_text())
+    assert meta["prepared_by"]["rank"] in ("0", "1") and meta["examples"]["train"] == 800
+    second = run_entry(ENTRIES[0], 2, tmp_path / "second", env, flags)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "data: prepar" not in second.stdout + second.stderr
+    assert json.loads((folder / "prepared.json").read_text()) == meta
+    assert [r["loss"] for r in second.steps] == [r["loss"] for r in first.steps]
+
+
+@pytest.mark.slow
+def test_the_data_can_be_prepared_before_the_job(env, corpus, tmp_path):
+    cache = tmp_path / "cache"
+    flags = {"dataset": corpus, "data_cache_dir": cache, "packing": "true"}
+    proc = subprocess.run([sys.executable, "-m", "{{ cookiecutter.project_slug }}.prepare_data", *flag_args(flags)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("ready: ") and "training and" in proc.stdout
+    run = run_entry(ENTRIES[0], 1, tmp_path / "out", env, {**flags, "max_steps": 1})
+    assert run.returncode == 0 and "data: prepar" not in run.stdout + run.stderr, run.stderr[-3000:]

@@ -59,6 +59,7 @@ def same(a, b) -> bool:
     return a == b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_a_diverging_run_skips_its_steps_then_stops_keeping_what_was_good(entry, env, tmp_path):
     out = tmp_path / "diverged"
@@ -91,6 +92,7 @@ def test_how_many_nonfinite_steps_stop_the_job_is_a_setting(env, tmp_path):
     assert [r["step"] for r in run.steps] == [1, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(runs, entry, tmp_path):
     flags, out = {**ACCUM, "save_steps": 2}, tmp_path / "out"
@@ -109,7 +111,8 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(runs, ent
     assert all(written.match(line) or line.startswith(others) for line in lines) and len(lines) <= 2, lines
     assert not re.search(r"\[rank\d\]: Traceback", proc.stderr)  # the workers' (torchrun prints its own)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]  # partial writes removed
-
+    if entry != ENTRIES[0]:
+        return  # the resume from step_2 is the same for every entry point (test_resume.py shows each)
     resumed = run_entry(entry, 2, out, runs.env, {**flags, "resume_from_checkpoint": "auto"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming after step 2" in resumed.stdout
@@ -119,26 +122,26 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(runs, ent
 @pytest.mark.slow
 def test_a_stopped_process_fails_the_job_within_the_collective_timeout_and_it_resumes(runs, tmp_path):
     """SIGSTOP of one rank under `torchrun --max_restarts 1 ... --resume_from_checkpoint auto`
-    (as the sbatch scripts launch): the other rank's collective times out after 10 s, the job
+    (as the sbatch scripts launch): the other rank's collective times out after 5 s, the job
     fails instead of hanging, torchrun restarts it, and it continues from its newest checkpoint."""
     entry = ENTRIES[0]
     flags = {**LONG, "max_steps": 80, "save_steps": 10, "resume_from_checkpoint": "auto"}
     straight = runs(entry, 2, **flags)  # the killed-rank test's uninterrupted run
     out = tmp_path / "stopped"
     cmd = c10d_launch_cmd(entry, 1, 2, free_port(), "--max_restarts", "1") + flag_args(flags) + [
-        "--collective_timeout_s", "10", "--output_dir", str(out)]
+        "--collective_timeout_s", "5", "--output_dir", str(out)]
     with background_run(cmd, runs.env, tmp_path) as proc:
         stopped_step, redone, resumed_after = fault_one_worker(out, proc, signal.SIGSTOP, tmp_path)
     stdout, stderr = logs(tmp_path)
     assert proc.returncode == 0, stderr[-3000:]
     lost = [line for line in stderr.splitlines() if line.startswith("error: lost contact with the other processes (")]
-    assert len(lost) == 1 and "Timed out waiting 10000ms" in lost[0], stderr[-3000:]
+    assert len(lost) == 1 and "Timed out waiting 5000ms" in lost[0], stderr[-3000:]
     resumed_from = int(re.search(r"resuming after step (\d+)", stdout)[1])
-    assert redone["step"] == resumed_from + 1 and resumed_after > 10  # not before the collective timeout
+    assert redone["step"] == resumed_from + 1 and resumed_after > 5  # not before the collective timeout
     job = Run(0, stdout, stderr, out)
     assert [r["step"] for r in last_records(job)] == list(range(1, 81))
     diff = assert_same_training(job, straight)
-    report(f"stopped rank ({entry}): SIGSTOP after step {stopped_step}, collective timeout 10 s, torchrun "
+    report(f"stopped rank ({entry}): SIGSTOP after step {stopped_step}, collective timeout 5 s, torchrun "
            f"restarted the job, which resumed from step_{resumed_from}: {resumed_after:.1f} s from the stop to the "
            f"first resumed step; max |param diff| vs uninterrupted {diff:.3g}")
 

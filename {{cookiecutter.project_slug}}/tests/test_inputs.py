@@ -82,7 +82,7 @@ def test_broken_data_is_one_line_naming_the_place(tmp_path, case, files, expecte
         if text is not None:
             (folder / name).write_text(text)
     cfg = load_config(["--config", CONFIG, "--task", "sequence_classification", "--dataset", str(folder),
-                       "--output_dir", str(tmp_path / "out")])
+                       "--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path / "cache")])
     with pytest.raises(ConfigError) as err:
         prepare(cfg, load_tokenizer(cfg))
     assert expected.format(d=folder) in str(err.value)
@@ -134,12 +134,14 @@ def test_launch_variables_are_checked(monkeypatch, variables, expected):
         dist_env()
 
 
+@pytest.mark.slow
 def test_a_bad_launch_variable_is_one_line_before_any_waiting(env, tmp_path):
     proc = subprocess.run(launch_cmd(ENTRIES[0], 1) + ["--report_to", "none", "--output_dir", str(tmp_path / "o")],
                           cwd=ROOT, env={**env, "WORLD_SIZE": "2"}, capture_output=True, text=True, timeout=120)
     one_error_line(proc, "RANK is not set, but WORLD_SIZE is 2: start the processes with torchrun")
 
 
+@pytest.mark.slow
 def test_missing_processes_end_with_one_line_after_the_rendezvous_timeout(env, tmp_path):
     """WORLD_SIZE=2 but only rank 0 started: it waits --rendezvous_timeout_s (3 s), not the
     collective timeout, and says what it waited for."""
@@ -151,6 +153,7 @@ def test_missing_processes_end_with_one_line_after_the_rendezvous_timeout(env, t
     one_error_line(proc, f"rank 0 waited 3 s for the 2 processes of this job at 127.0.0.1:{port}", code=1)
 
 
+@pytest.mark.slow
 def test_output_dir_that_cannot_be_made_is_found_by_every_process_first(env, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")

@@ -12,12 +12,12 @@ from {{ cookiecutter.project_slug }}.prepare import prepare
 
 from conftest import (
     ACCUM,
+    DATA_CACHE,
     ENTRIES,
     GPUS,
     MIXED_PRECISION,
     ROOT,
     TOL,
-    Run,
     accelerate_launch,
     flag_args,
     max_abs_diff,
@@ -41,7 +41,8 @@ def linear_lr(peak: float, applied: int, warmup: int, total: int) -> float:
 
 def config_for(*flags: str):
     """The run's TrainConfig and model config, as an entry point builds them."""
-    cfg = load_config(["--config", CONFIG, "--max_seq_len", "48", "--mixed_precision", MIXED_PRECISION, *flags])
+    cfg = load_config(["--config", CONFIG, "--max_seq_len", "48", "--mixed_precision", MIXED_PRECISION,
+                       "--data_cache_dir", str(DATA_CACHE), *flags])
     tokenizer = load_tokenizer(cfg)
     return cfg, model_config(cfg, tokenizer, prepare(cfg, tokenizer).num_labels or 2)
 
@@ -58,6 +59,7 @@ def fp16_runs(runs):
             runs("pytorch", 1, fp16_init_scale=2**25, **FP16))
 
 
+@pytest.mark.slow
 def test_fp16_with_accumulation_takes_the_decisions_of_one_big_batch(fp16_runs):
     without, within = fp16_runs
     decisions = [r["step_skipped"] for r in without.steps]
@@ -70,6 +72,7 @@ def test_fp16_with_accumulation_takes_the_decisions_of_one_big_batch(fp16_runs):
     assert [r["micro_steps"] for r in within.steps] == [2] * 12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [0, 1], ids=["without_accumulation", "with_accumulation"])
 def test_fp16_skipped_step_moves_neither_schedule_nor_optimizer(fp16_runs, which):
     run = fp16_runs[which]
@@ -83,6 +86,7 @@ def test_fp16_skipped_step_moves_neither_schedule_nor_optimizer(fp16_runs, which
     assert state["lr_scheduler"]["last_epoch"] == applied
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(GPUS > 0, reason="on GPUs Accelerate runs fp16")
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if e != "pytorch"])
 def test_fp16_on_cpu_is_refused_where_accelerate_would_train_fp32(entry, env, tmp_path):
@@ -91,6 +95,7 @@ def test_fp16_on_cpu_is_refused_where_accelerate_would_train_fp32(entry, env, tm
     assert run.stderr.strip().splitlines()[-1].startswith("error: mixed_precision fp16 on CPU: Accelerate")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_gradient_checkpointing_trains_the_same(runs, entry):
     """Recomputed activations, 2 processes x accumulation 4 under no_sync: the same gradients (so
@@ -111,6 +116,7 @@ def test_gradient_checkpointing_lowers_the_peak():
     assert peaks["true"] < peaks["false"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer,schedule", [("sgd", "linear"), ("adafactor", "constant")])
 def test_optimizers_and_schedules_are_the_same_in_every_entry(runs, optimizer, schedule):
     """(adamw with cosine is the parity matrix's.) Every entry applies the same lr at every step,
@@ -129,6 +135,7 @@ def test_optimizers_and_schedules_are_the_same_in_every_entry(runs, optimizer, s
         assert diff <= TOL.param
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / "configs" / "accelerate" / "fsdp.yaml").exists(), reason="no accelerate configs")
 def test_fsdp_is_refused_where_it_would_not_run(env, tmp_path):
     """Accelerate turns on FSDP only on GPUs: on CPU it would train DDP without a word, so every
@@ -141,18 +148,19 @@ def test_fsdp_is_refused_where_it_would_not_run(env, tmp_path):
         assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(expected), run.stderr[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(GPUS < 2 or "accelerate" not in ENTRIES, reason="FSDP runs on GPUs (2 needed)")
 def test_fsdp_trains_like_ddp(runs, tmp_path):
     ddp = runs("accelerate", 2, **ACCUM)
-    proc = accelerate_launch("fsdp", 2, runs.env, tmp_path / "fsdp", *flag_args(ACCUM))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    fsdp = Run(proc.returncode, proc.stdout, proc.stderr, tmp_path / "fsdp")
+    fsdp = accelerate_launch("fsdp", 2, runs.env, tmp_path / "fsdp", *flag_args(ACCUM))
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     assert "grad_sync_calls" not in fsdp.steps[0]  # FSDP, not DDP, reduced the gradients
     diff = max_abs_diff(fsdp.params(), ddp.params())
     report(f"FSDP vs DDP (2 GPUs x accumulation 4): max |param diff| {diff:.3g}")
     assert diff <= TOL.param
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_auto_micro_batch_is_the_largest_that_fits(runs, entry):
     """A budget between the peaks of micro batches 4 and 8: global 32 on 2 processes trains with

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from conftest import (
     ACCUM,
+    DATA_CACHE,
     ENTRIES,
     GLOBAL_BATCH,
     LAUNCH_TIMEOUT_S,
@@ -43,6 +44,10 @@ STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "micro_steps", "grad_s
              "world_size", "grad_accum_steps", "global_batch_size", "elapsed_s"}
 EVAL_KEYS = {"causal_lm": {"step", "eval_loss", "eval_perplexity"},
              "sequence_classification": {"step", "eval_loss", "eval_accuracy", "eval_f1"}}
+def cell_id(shape: tuple[int, int]) -> str:
+    return f"{shape[0]}x{shape[1]}"
+
+
 CELLS = [(1, 1), (1, 4), (2, 1), (2, 4)]  # (processes, grad_accum_steps); ACCUM is the 2x4 cell
 
 
@@ -50,43 +55,60 @@ def cell(runs, entry: str, nproc: int, accum: int, **flags):
     return runs(entry, nproc, micro_batch_size=GLOBAL_BATCH // (nproc * accum), **MATRIX, **flags)
 
 
-def cell_id(shape: tuple[int, int]) -> str:
-    return f"{shape[0]}x{shape[1]}"
+PACKED = {"task": "causal_lm", "packing": "true"}  # documents joined into full blocks of max_seq_len tokens
 
 
-@pytest.mark.parametrize("shape", CELLS[1:], ids=cell_id)
-@pytest.mark.parametrize("entry", ENTRIES)
-def test_cell_matches_single_process_reference(runs, entry, shape):
+def matrix() -> list:
+    """(entry, cell, packed): every cell of every entry point; packed, the whole matrix for the
+    first entry point and 2x4 for the others (packing is the data's, the same for every loop).
+    The fast tier (`make test`) runs the padded 2x4 cells."""
+    return [pytest.param(entry, shape, packed, id=f"{entry}-{cell_id(shape)}-{'packed' if packed else 'padded'}",
+                         marks=() if shape == (2, 4) and not packed else pytest.mark.slow)
+            for packed in (False, True) for entry in ENTRIES for shape in CELLS[1:]
+            if not packed or entry == ENTRIES[0] or shape == (2, 4)]
+
+
+@pytest.mark.parametrize("entry,shape,packed", matrix())
+def test_cell_matches_single_process_reference(runs, entry, shape, packed):
     nproc, accum = shape
-    run, reference = cell(runs, entry, *shape), cell(runs, entry, 1, 1)
+    flags = PACKED if packed else {}
+    run, reference = cell(runs, entry, *shape, **flags), cell(runs, entry, 1, 1, **flags)
     shapes = [(r["world_size"], r["grad_accum_steps"], r["micro_steps"]) for r in run.steps]
     assert shapes == [(nproc, accum, accum)] * 8
     assert [r["tokens"] for r in run.steps] == [r["tokens"] for r in reference.steps]
+    if packed:  # no padding: every block of 48 tokens has 47 targets
+        assert [r["tokens"] for r in run.steps] == [GLOBAL_BATCH * 47] * 8
     assert run.steps[-1]["loss"] < run.steps[1]["loss"] - 0.01  # it trained (step 1 has lr 0)
     param_diff, loss_diff = max_abs_diff(run.params(), reference.params()), max_loss_diff(run, reference)
-    report(f"parity {TASK} {MIXED_PRECISION} {entry} {cell_id(shape)} vs 1x1: "
+    report(f"parity {'causal_lm packed' if packed else TASK} {MIXED_PRECISION} {entry} {cell_id(shape)} vs 1x1: "
            f"max |param diff| {param_diff:.3g}, max |loss diff| {loss_diff:.3g}")
     assert loss_diff <= TOL.loss
     assert param_diff <= TOL.param
 
 
 @pytest.mark.skipif(len(ENTRIES) < 2, reason="one entry point generated")
-@pytest.mark.parametrize("shape", CELLS, ids=cell_id)
-def test_entry_points_agree(runs, shape):
-    reference = cell(runs, ENTRIES[0], *shape)
+@pytest.mark.parametrize("shape,packed", [*(pytest.param(shape, False, id=f"{cell_id(shape)}-padded",
+                                                         marks=() if shape == (2, 4) else pytest.mark.slow)
+                                            for shape in CELLS),
+                                          pytest.param((2, 4), True, id="2x4-packed", marks=pytest.mark.slow)])
+def test_entry_points_agree(runs, shape, packed):
+    flags = PACKED if packed else {}
+    reference = cell(runs, ENTRIES[0], *shape, **flags)
     for entry in ENTRIES[1:]:
-        other = cell(runs, entry, *shape)
+        other = cell(runs, entry, *shape, **flags)
         for a, b in zip(reference.steps, other.steps, strict=True):
             assert (a["lr"], a["tokens"], a["micro_steps"]) == (b["lr"], b["tokens"], b["micro_steps"])
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=max(1e-5, TOL.loss))
         assert reference.evals[0]["eval_loss"] == pytest.approx(other.evals[0]["eval_loss"], abs=TOL.loss)
         param_diff, loss_diff = max_abs_diff(reference.params(), other.params()), max_loss_diff(reference, other)
-        report(f"parity {TASK} {MIXED_PRECISION} {ENTRIES[0]} vs {entry} at {cell_id(shape)}: "
+        report(f"parity {'causal_lm packed' if packed else TASK} {MIXED_PRECISION} {ENTRIES[0]} vs {entry} at "
+               f"{cell_id(shape)}: "
                f"max |param diff| {param_diff:.3g}, max |loss diff| {loss_diff:.3g}")
         assert loss_diff <= TOL.loss
         assert param_diff <= TOL.param
 
 
+@pytest.mark.slow
 def test_learning_rate_is_the_same_for_every_entry_and_cell(runs):
     # the lr applied at step s is the schedule's value after s - 1 scheduler steps: linear warmup
     # over 2 steps, then a cosine from the peak (train.yaml's learning_rate) to 0 at step 8
@@ -97,6 +119,7 @@ def test_learning_rate_is_the_same_for_every_entry_and_cell(runs):
     assert lrs[ENTRIES[0], (1, 1)] == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_two_torchrun_agents_train_like_one_node(runs, entry, tmp_path):
     """Two nodes on one machine: two torchrun agents (1 process each) meet through a c10d rendezvous
@@ -145,6 +168,7 @@ dist.destroy_process_group()
     return int(out[-2]), int(out[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_ddp_syncs_gradients_once_per_optimizer_step(runs, entry):
     first, later = ddp_bucket_counts(ACCUM["ddp_bucket_cap_mb"], runs.env)
@@ -163,6 +187,7 @@ def test_ddp_syncs_gradients_once_per_optimizer_step(runs, entry):
     assert max_abs_diff(synced.params(), unsynced.params()) <= TOL.param
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_partial_final_window_steps_and_matches_big_batch(runs, entry, small_dataset):
     accum = runs(entry, 2, micro_batch_size=2, **short_windows(small_dataset))
@@ -192,6 +217,7 @@ def test_partial_final_window_steps_and_matches_big_batch(runs, entry, small_dat
             assert round(a["eval_accuracy"] * 9, 6).is_integer()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_metrics_jsonl_and_final_model(runs, entry):
     run = runs(entry, 2, **ACCUM)
@@ -209,6 +235,7 @@ def test_metrics_jsonl_and_final_model(runs, entry):
     assert torch.isfinite(run.params()["model.embed_tokens.weight"]).all()
 
 
+@pytest.mark.slow
 def test_each_step_consumes_its_window_of_the_epoch_permutation(runs):
     from {{ cookiecutter.project_slug }}.batch import plan_batches
     from {{ cookiecutter.project_slug }}.config import load_config
@@ -218,6 +245,7 @@ def test_each_step_consumes_its_window_of_the_epoch_permutation(runs):
 
     run = runs(ENTRIES[0], 2, **ACCUM, **({} if TASK == "causal_lm" else {"task": "causal_lm"}))
     cfg = load_config(["--config", str(ROOT / "configs" / "train.yaml"), "--max_seq_len", "48",
+                       "--data_cache_dir", str(DATA_CACHE),
                        "--task", "causal_lm"])
     train = prepare(cfg, load_tokenizer(cfg)).data["train"]
     lengths = [len(ids) for ids in train["input_ids"]]
@@ -228,6 +256,7 @@ def test_each_step_consumes_its_window_of_the_epoch_permutation(runs):
     assert [r["tokens"] for r in run.steps] == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_default_run_learns(runs, entry):
     run = runs(entry, 2)

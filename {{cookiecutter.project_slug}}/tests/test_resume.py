@@ -40,6 +40,8 @@ from conftest import (
     worker_error_lines,
 )
 
+pytestmark = pytest.mark.slow  # the fast tier (`make test`) leaves this module to `make test-all`
+
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_stop_and_resume_is_exact(runs, entry, tmp_path):
@@ -74,6 +76,22 @@ def test_stop_and_resume_is_exact(runs, entry, tmp_path):
     report(f"resume {entry}: stop at 4 of 8, resume on 2 processes: bitwise equal; resume on 1 process "
            f"(accumulation 4 -> 8): max |param diff| {diff:.3g}, max |loss diff| {loss_diff:.3g}")
     assert diff <= TOL.param and loss_diff <= TOL.loss
+
+
+def test_resume_in_the_middle_of_a_packed_epoch_is_exact(runs, tmp_path):
+    """Packed blocks (439 blocks: 28 steps of 16 per epoch): stopped after step 4 and resumed, every
+    loss and the final parameters are those of the straight packed run. (Packing is the data's:
+    every entry point then resumes the same way, test_stop_and_resume_is_exact.)"""
+    entry = ENTRIES[0]
+    flags = {**ACCUM, "task": "causal_lm", "packing": "true"}
+    straight = runs(entry, 2, **flags)
+    out = tmp_path / "resumed"
+    first = run_entry(entry, 2, out, runs.env, {**flags, "stop_after_steps": 4})
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_entry(entry, 2, out, runs.env, {**flags, "resume_from_checkpoint": "auto"})
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming after step 4" in second.stdout and "training blocks of 48 tokens" in second.stdout
+    assert_same_training(second, straight)
 
 
 @pytest.mark.parametrize("entry", ENTRIES)

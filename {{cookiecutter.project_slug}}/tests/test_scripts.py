@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SLUG
+from conftest import DATA_CACHE, ROOT, SLUG
 
 SCRIPTS = sorted((ROOT / "scripts").rglob("*.sh")) + sorted((ROOT / "scripts").rglob("*.sbatch"))
 
@@ -37,7 +37,8 @@ def test_train_local_dry_run_passes_arguments_through(env):
 def test_train_local_trains_with_two_cpu_processes(env, tmp_path):
     out = tmp_path / "local"
     proc = subprocess.run(
-        ["scripts/train_local.sh", "--max_steps", "2", "--report_to", "none", "--output_dir", str(out)],
+        ["scripts/train_local.sh", "--max_steps", "2", "--report_to", "none", "--output_dir", str(out),
+         "--data_cache_dir", str(DATA_CACHE)],
         cwd=ROOT, env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "final_model" / "model.safetensors").is_file()
@@ -80,3 +81,17 @@ def test_sbatch_dry_run_prints_each_nodes_command(script, env):
             assert f"--num_machines 3 --num_processes 6 --machine_rank {node_id} --main_process_ip node0" in line
     if script.stem == "torchrun":  # c10d gives the node ranks: every node runs the same command
         assert len({line.partition(": ")[2] for line in nodes}) == 1
+
+
+def test_readme_commands_run_one_after_another():
+    """Every training command the README shows writes its own --output_dir (train_local.sh and
+    `make train` default to runs/default; SLURM jobs to runs/<job id>), so a reader who runs them
+    in order is never refused for a folder an earlier command finished."""
+    readme = (ROOT / "README.md").read_text()
+    commands = [line.split("#")[0].strip() for block in readme.split("```bash")[1:]
+                for line in block.split("```")[0].splitlines()]
+    training = [c for c in commands if c and not c.startswith(("DRY_RUN=1", "make install", "make test"))
+                and ("train_" in c or c.startswith(("torchrun", "make train")))]
+    assert len(training) >= 5, training
+    folders = [c.split("--output_dir ")[1].split()[0] if "--output_dir " in c else "runs/default" for c in training]
+    assert len(set(folders)) == len(folders), list(zip(training, folders, strict=True))

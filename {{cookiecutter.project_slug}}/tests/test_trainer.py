@@ -1,16 +1,14 @@
 """The Trainer entry point: per-epoch evaluation with compute_metrics, launch through
 `accelerate launch`, and DeepSpeed ZeRO-2 on CPU with the same training as DDP."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from conftest import ROOT, SLUG, free_port, max_abs_diff, report
+from conftest import ROOT, accelerate_launch, max_abs_diff, report
 
 SGD = {"optimizer": "sgd", "learning_rate": 0.1, "max_grad_norm": 0,
        "micro_batch_size": 2, "global_batch_size": 16, "max_steps": 4}
+
+pytestmark = pytest.mark.slow  # the fast tier (`make test`) leaves this module to `make test-all`
 
 
 def test_classification_metrics_once_per_epoch(runs):
@@ -25,15 +23,10 @@ def test_classification_metrics_once_per_epoch(runs):
 
 def test_trainer_under_accelerate_launch(env, tmp_path):
     config = "multi_gpu" if (ROOT / "configs" / "accelerate").is_dir() else None
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
-           "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]
-    cmd += ["--config_file", f"configs/accelerate/{config}.yaml"] if config else ["--multi_gpu"]
-    cmd += ["-m", f"{SLUG}.train_trainer", "--report_to", "none", "--output_dir", str(tmp_path / "out"),
-            "--max_steps", "2", "--micro_batch_size", "2", "--global_batch_size", "8"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["world_size"], r["grad_accum_steps"]) for r in steps if "loss" in r] == [(1, 2, 2), (2, 2, 2)]
+    run = accelerate_launch(config, 2, env, tmp_path / "out", "--max_steps", "2", "--micro_batch_size", "2",
+                            "--global_batch_size", "8", entry="trainer")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [(r["step"], r["world_size"], r["grad_accum_steps"]) for r in run.steps] == [(1, 2, 2), (2, 2, 2)]
 
 
 @pytest.mark.skipif(not (ROOT / "configs" / "deepspeed").is_dir(), reason="deepspeed_stage: none")

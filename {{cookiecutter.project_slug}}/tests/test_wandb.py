@@ -19,6 +19,8 @@ TRAIN_KEYS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s",
 EVAL_KEYS = {"causal_lm": {"eval/loss", "eval/perplexity"},
              "sequence_classification": {"eval/loss", "eval/accuracy", "eval/f1"}}
 
+pytestmark = pytest.mark.slow  # the fast tier (`make test`) leaves this module to `make test-all`
+
 
 def wandb_records(path: Path) -> list:
     """The protobuf records of a .wandb file (W&B's LevelDB-style log: a 7-byte file header, then

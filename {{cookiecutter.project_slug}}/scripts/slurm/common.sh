@@ -33,7 +33,11 @@ job_setup() {
   TRAIN_ARGS=(--config "$CONFIG" --output_dir "$OUTPUT_DIR" --resume_from_checkpoint auto "$@")
   # the package runs from src/ without being installed
   export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
-  echo "job $JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $NNODES node(s) x $NPROC_PER_NODE process(es), head $HEAD:$MASTER_PORT, output $OUTPUT_DIR"
+  echo "job $JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $(count "$NNODES" node nodes) x $(count "$NPROC_PER_NODE" process processes), head $HEAD:$MASTER_PORT, output $OUTPUT_DIR"
+}
+
+count() {  # count N SINGULAR PLURAL: "1 node", "4 nodes"
+  if [[ "$1" == 1 ]]; then echo "$1 $2"; else echo "$1 $3"; fi
 }
 
 quote() {  # the arguments, each quoted for bash, space-separated

@@ -34,8 +34,8 @@ STATE_FILE = "state.json"
 FINAL_DIR = "final_model"
 # Keys that change the training: a checkpoint continues only under the same values (CONTRACT.md,
 # section 3). Every other key may change on resume (world size, micro batch, evaluation, logging...).
-MUST_MATCH = ("global_batch_size", "seed", "task", "model_name_or_path", "dataset", "max_seq_len", "optimizer",
-              "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm",
+MUST_MATCH = ("global_batch_size", "seed", "task", "model_name_or_path", "dataset", "max_seq_len", "packing",
+              "optimizer", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm",
               "mixed_precision")
 LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed")
 # What the pickles in a checkpoint may name: tensors and their storages, containers, numpy arrays

@@ -7,10 +7,12 @@ line on stderr.
 """
 
 import argparse
+import json
 import math
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -36,6 +38,7 @@ def whole_or_auto(value) -> int | str:
 
 
 def _doc(text: str, default):
+    """A field's one default and its help (the --help text and the comment in configs/train.yaml)."""
     return field(default=default, metadata={"help": text})
 
 
@@ -43,9 +46,8 @@ def _doc(text: str, default):
 class TrainConfig:
     """Everything one training run needs. Each field is a YAML key and a `--flag`."""
 
-    # What to train on.
     task: Literal["causal_lm", "sequence_classification"] = _doc(
-        "causal_lm (next-token prediction) or sequence_classification.", "causal_lm")
+        "causal_lm (next-token prediction) or sequence_classification.", "{{ cookiecutter.task }}")
     model_name_or_path: str = _doc(
         "'tiny' builds a small model from a config (no download); else a Hugging Face model name "
         "or local path.", "tiny")
@@ -53,31 +55,39 @@ class TrainConfig:
         "'builtin' (the data shipped with this project for the task), a folder holding "
         "train/validation .jsonl/.json/.csv/.parquet files or a save_to_disk() dataset, or a "
         "Hugging Face dataset name.", "builtin")
-    max_seq_len: int = _doc("Longest sequence in tokens; longer examples are truncated.", 64)
+    max_seq_len: int = _doc("Longest sequence in tokens; longer examples are truncated (packed: the block length).",
+                            64)
+    packing: bool = _doc(
+        "causal_lm only: join the documents (one EOS between them) into blocks of max_seq_len tokens, no "
+        "padding; attention then crosses document boundaries inside a block, as in HF's run_clm.", False)
+    data_cache_dir: str = _doc(
+        "Where the tokenised data is prepared once and memory-mapped by every process and later run on the "
+        "same data and settings; on a cluster, a folder every node sees (else each node prepares its own).",
+        "data_cache")
+    data_num_proc: int = _doc(
+        "Processes that tokenise while the data is prepared; 0: up to 8 for 100k examples or more, else 1.", 0)
 
-    # Where and how long.
     output_dir: str = _doc("Folder for metrics.jsonl, checkpoints/ and final_model/.", "runs/default")
     seed: int = _doc("Seeds model initialisation and the data order.", 42)
     max_steps: int = _doc("Optimizer steps to train; -1 trains num_epochs epochs.", -1)
     num_epochs: int = _doc("Epochs to train when max_steps is -1.", 3)
 
-    # Batch maths: grad_accum_steps = global_batch_size / (micro_batch_size * world_size).
     micro_batch_size: whole_or_auto = _doc(
         "Examples per forward pass on each process; auto: the largest that fits in memory (from "
-        "global_batch_size / world_size, halved until one micro-step fits).", 8)
-    global_batch_size: int = _doc("Examples per optimizer step, summed over processes.", 64)
+        "global_batch_size / world_size, halved until one micro-step fits).", {{ cookiecutter.micro_batch_size }})
+    global_batch_size: int = _doc("Examples per optimizer step, summed over processes.",
+                                  {{ cookiecutter.global_batch_size }})
     memory_budget_mb: float = _doc(
         "With micro_batch_size auto: the peak MiB one micro-step may use (0: the device's memory, "
         "found by trying; on CPU a budget is needed to search).", 0.0)
 
-    # Optimisation.
     optimizer: Literal["adamw", "sgd", "adafactor"] = _doc(
         "adamw, sgd (plain, no momentum) or adafactor; biases and norms get no weight decay.",
         "adamw")
     learning_rate: float = _doc("Peak learning rate.", 1e-3)
     lr_scheduler_type: Literal["linear", "cosine", "constant"] = _doc(
         "Schedule after warmup (constant still warms up).", "linear")
-    warmup_steps: int = _doc("Optimizer steps of linear warmup from 0.", 10)
+    warmup_steps: int = _doc("Optimizer steps of linear warmup from 0.", 5)
     weight_decay: float = _doc("Decoupled weight decay on matrices (not biases or norms).", 0.01)
     max_grad_norm: float = _doc("Clip the global gradient norm to this; 0 disables clipping.", 1.0)
     mixed_precision: Literal["no", "bf16", "fp16"] = _doc(
@@ -86,8 +96,9 @@ class TrainConfig:
         "fp16's first loss scale; halved (and the step skipped) on every overflow.", 65536.0)
     gradient_checkpointing: bool = _doc("Recompute activations in the backward pass.", False)
 
-    # Evaluation, logging, checkpoints.
     eval_every: int = _doc("Evaluate every N optimizer steps; 0 evaluates once per epoch.", 0)
+    log_every: int = _doc(
+        "Print the progress line every N optimizer steps (and after the last); 0: about 30 lines per run.", 0)
     report_to: Literal["wandb", "none"] = _doc(
         "wandb logs to Weights & Biases (offline when no API key is set); none disables it.",
         "wandb")
@@ -106,7 +117,6 @@ class TrainConfig:
         "A step whose loss or gradient norm is not finite is skipped (parameters, optimizer and schedule "
         "untouched); after this many in a row the job stops with exit code 3.", 3)
 
-    # Back ends.
     deepspeed: str = _doc("DeepSpeed JSON config (train_accelerate and train_trainer).", "")
     ddp_no_sync: bool = _doc(
         "Skip DDP's gradient all-reduce on all but the last micro-step of each optimizer step. "
@@ -129,8 +139,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        non_negative = ("warmup_steps", "weight_decay", "max_grad_norm", "eval_every", "memory_budget_mb",
-                        "save_steps", "save_total_limit", "stop_after_steps")
+        non_negative = ("warmup_steps", "weight_decay", "max_grad_norm", "eval_every", "log_every", "memory_budget_mb",
+                        "data_num_proc", "save_steps", "save_total_limit", "stop_after_steps")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -138,6 +148,9 @@ class TrainConfig:
             raise ConfigError(f"max_steps must be -1 (train num_epochs) or >= 1, got {self.max_steps}")
         if not self.learning_rate > 0:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.packing and self.task != "causal_lm":
+            raise ConfigError(f"packing joins documents for causal_lm; task {self.task} keeps one example per "
+                              "sequence: set packing false")
         if self.ddp_bucket_cap_mb <= 0:
             raise ConfigError(f"ddp_bucket_cap_mb must be > 0, got {self.ddp_bucket_cap_mb}")
 
@@ -146,6 +159,34 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in fields(TrainConfig)}
+# The groups of keys in configs/train.yaml, each headed before its first key.
+SECTIONS = {"task": "What to train on", "output_dir": "Where and how long",
+            "micro_batch_size": "Batch maths: grad_accum_steps = global_batch_size / (micro_batch_size x world_size)",
+            "optimizer": "Optimisation", "eval_every": "Evaluation, logging, checkpoints", "deepspeed": "Back ends"}
+YAML_HEADER = """\
+# The one config of this project: train_pytorch, train_accelerate and train_trainer all read it.
+# Every key is also a flag of the same name that overrides it (--learning_rate 3e-4), and `--help`
+# lists them with the values this file gives. More files may follow (--config A --config B: later
+# ones win). This file is written from the defaults in src/{{ cookiecutter.project_slug }}/config.py:
+#   python -m {{ cookiecutter.project_slug }}.config > configs/train.yaml
+"""
+
+
+def _yaml_value(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return json.dumps(value) if isinstance(value, str) else repr(value)  # a JSON string is a YAML string
+
+
+def render_yaml() -> str:
+    """configs/train.yaml as TrainConfig defines it: every key with its default, under its help."""
+    lines = [YAML_HEADER.rstrip("\n")]
+    for f in fields(TrainConfig):
+        if f.name in SECTIONS:
+            lines += ["", f"# == {SECTIONS[f.name]} =="]
+        lines += [f"# {line}" for line in textwrap.wrap(f.metadata["help"], 98)]
+        lines.append(f"{f.name}: {_yaml_value(f.default)}")
+    return "\n".join(lines) + "\n"
 
 
 class _Parser(HfArgumentParser):
@@ -202,24 +243,27 @@ def _read_yaml(path: str) -> dict:
 
 
 def load_config(argv: list[str] | None = None) -> TrainConfig:
-    """Read `--config` (default configs/train.yaml), then apply the command-line flags over it.
-    `--help` lists every flag with the value the config file gives it."""
+    """Read the `--config` files (default configs/train.yaml; given more than once, later files
+    override earlier ones), then apply the command-line flags over them. `--help` lists every flag
+    with the value the config files give it."""
     argv = sys.argv[1:] if argv is None else argv
     parser = _Parser(TrainConfig, description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML file with the defaults.")
+    parser.add_argument("--config", action="append", help="YAML file(s) with the defaults; later ones win.")
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config", default=DEFAULT_CONFIG)
-    known, _ = pre.parse_known_args(argv)
-    values = _read_yaml(known.config)
-    file_flags = _as_flags(values)
+    pre.add_argument("--config", action="append")
+    paths = pre.parse_known_args(argv)[0].config or [DEFAULT_CONFIG]
+    values = {}
+    for path in paths:
+        file_values = _read_yaml(path)
+        try:  # each file's values are checked as flags, so an error names its file
+            parser.parse_args_into_dataclasses(_as_flags({**values, **file_values}))
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from None
+        values.update(file_values)
     if {"-h", "--help"} & set(argv):
-        parser.set_defaults(**{key: _field_value(key, value) for key, value in values.items()})  # what the file sets
+        parser.set_defaults(**{key: _field_value(key, value) for key, value in values.items()})  # what the files set
     try:
-        parser.parse_args_into_dataclasses(file_flags + ["--config", known.config])
-    except ConfigError as err:
-        raise ConfigError(f"{known.config}: {err}") from None
-    try:
-        config, _ = parser.parse_args_into_dataclasses(file_flags + argv)
+        config, _ = parser.parse_args_into_dataclasses(_as_flags(values) + argv)
     except ValueError as err:
         unused = str(err).split(":", 1)[-1].strip()
         raise ConfigError(f"unknown flag(s) {unused}; run with --help for the list") from None
@@ -257,3 +301,7 @@ def run_cli(train: Callable[[TrainConfig], None]) -> None:
     cleanup()
     if failed:
         sys.exit(failed)
+
+
+if __name__ == "__main__":
+    print(render_yaml(), end="")

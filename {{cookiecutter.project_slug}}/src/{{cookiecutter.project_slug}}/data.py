@@ -15,7 +15,6 @@ import math
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
-from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
 from .batch import BatchPlan
 
@@ -36,6 +35,7 @@ class WindowSampler(Sampler):
         self.seed = seed
         self.epoch = 0
         self.start_step = 0
+        self._drawn: tuple[int, np.ndarray] | None = None  # (epoch, its permutation): drawn once per epoch
 
     @property
     def steps_per_epoch(self) -> int:
@@ -47,7 +47,11 @@ class WindowSampler(Sampler):
         self.start_step = start_step
 
     def permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+        """The epoch's order of the training set, drawn once per epoch (a step then only slices it)."""
+        if self._drawn is None or self._drawn[0] != epoch:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+            self._drawn = epoch, order.astype(np.int32) if self.num_examples < 2**31 else order
+        return self._drawn[1]
 
     def micro_steps(self, step: int) -> int:
         """Micro-batches in window `step` on every rank (grad_accum_steps, fewer at an epoch's end)."""
@@ -71,11 +75,14 @@ class WindowSampler(Sampler):
             yield from self.window(self.epoch, step)
 
     def __len__(self) -> int:
-        return sum(self.micro_steps(s) for s in range(self.start_step, self.steps_per_epoch))
+        """Micro-batches from start_step to the epoch's end: full windows, then the last one."""
+        last = self.steps_per_epoch - 1
+        return self.plan.grad_accum_steps * (last - self.start_step) + self.micro_steps(last)
 
 
 class _Marked(Dataset):
-    """Looks up `(index, real)` pairs and marks each example real or filler."""
+    """Looks up `(index, real)` pairs and marks each example real or filler; a micro-batch's
+    examples are read from the (memory-mapped) dataset in one gather."""
 
     def __init__(self, dataset):
         self.dataset = dataset
@@ -84,24 +91,35 @@ class _Marked(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key: tuple[int, bool]) -> dict:
-        index, real = key
-        return {**self.dataset[index], "real": real}
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[tuple[int, bool]]) -> list[dict]:
+        columns = self.dataset[[index for index, _ in keys]]
+        return [{**{name: values[row] for name, values in columns.items()}, "real": real}
+                for row, (_, real) in enumerate(keys)]
 
 
 class Collator:
-    """Pads on the right and builds labels: padding (and filler examples) become -100."""
+    """Pads input_ids on the right with the pad token; attention_mask marks the real tokens.
+    Labels: for causal_lm the input_ids themselves (summed_loss shifts them), -100 on padding; for
+    classification each example's label. A filler example's labels are all -100."""
 
     def __init__(self, tokenizer, task: str):
-        if task == "causal_lm":
-            self.inner = DataCollatorForLanguageModeling(tokenizer, mlm=False, return_tensors="pt")
-        else:
-            self.inner = DataCollatorWithPadding(tokenizer, padding="longest", return_tensors="pt")
+        self.pad_token_id, self.task = tokenizer.pad_token_id, task
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        real = torch.tensor([f.get("real", True) for f in features])
-        batch = dict(self.inner([{k: v for k, v in f.items() if k != "real"} for f in features]))
-        batch["labels"][~real] = IGNORE_INDEX
-        return batch
+        width = max(len(f["input_ids"]) for f in features)
+        input_ids = torch.full((len(features), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(features), width), dtype=torch.long)
+        for row, f in enumerate(features):
+            input_ids[row, :len(f["input_ids"])] = torch.as_tensor(f["input_ids"])
+            attention_mask[row, :len(f["input_ids"])] = 1
+        if self.task == "causal_lm":
+            labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        else:
+            labels = torch.tensor([f["label"] for f in features], dtype=torch.long)
+        labels[~torch.tensor([f.get("real", True) for f in features])] = IGNORE_INDEX
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
 class WindowLoader(DataLoader):

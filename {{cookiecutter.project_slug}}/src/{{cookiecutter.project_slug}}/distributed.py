@@ -9,11 +9,13 @@ import gc
 import os
 import signal
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from .errors import ConfigError, JobFailed, first_line
 
@@ -182,10 +184,11 @@ def barrier() -> None:
         dist.barrier()
 
 
-def print0(*args, **kwargs) -> None:
-    """print() on the main process only."""
+def print0(text: str) -> None:
+    """A line on the main process's stdout (through tqdm, which keeps a live progress bar below it)."""
     if os.environ.get("RANK", "0") in ("0", ""):
-        print(*args, **kwargs, flush=True)
+        tqdm.write(text, file=sys.stdout)
+        sys.stdout.flush()
 
 
 class GradSyncCounter:

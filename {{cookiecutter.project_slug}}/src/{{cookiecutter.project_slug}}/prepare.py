@@ -1,25 +1,35 @@
-"""Data preparation: read the raw splits, check them, tokenise them, in one pass.
+"""Data preparation: read the raw splits, check them, tokenise (and pack) them, once.
 
 Two kinds of checks, each a ConfigError (one line, exit code 2) that names the file and the line or
-example: *cheap* ones (`check_source`: the files exist and are not empty, the first record has the
-task's columns) run on every process before anything else; *full-pass* ones (every line parses,
-every text is a string, the labels are the integers 0..K-1 with every class present in training
-and only those in validation) run while the data is read and tokenised, so a large dataset is not
-read twice to be checked.
+example: *cheap* ones (the files exist and are not empty; `check_source`: the first record has the
+task's columns) run on every process before any process waits; *full-pass* ones (every line
+parses, every text is a string, the labels are the integers 0..K-1 with every class present in
+training and only those in validation) run while the data is read and tokenised, in the one
+preparation, so a large dataset is not read twice to be checked. The prepared data lands in
+data_cache_dir, found again by the raw files' size and mtime alone: a warm start reads no raw file.
 """
 
+import contextlib
 import csv
+import hashlib
 import json
 import logging
+import os
+import shutil
+import socket
+import threading
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from datasets import DatasetDict, load_dataset, load_from_disk
+import transformers
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
 from .config import TrainConfig
 from .errors import ConfigError, first_line
@@ -47,19 +57,17 @@ class Source:
 
 
 def find_source(cfg: TrainConfig) -> Source:
-    """The dataset named by `cfg.dataset`, with the cheap checks done (every process runs them)."""
+    """The dataset named by `cfg.dataset`: its files found, none of them read (see check_source)."""
     folder = ASSETS / "data" / cfg.task if cfg.dataset == "builtin" else Path(cfg.dataset)
     if cfg.dataset != "builtin" and not folder.is_dir():
         if folder.exists() or cfg.dataset.startswith((".", "/", "~")):
             raise ConfigError(f"dataset {cfg.dataset} is not a folder of train/validation files")
         return Source(cfg.dataset)  # a hub name: checked when it is loaded
     if (folder / "dataset_dict.json").is_file():
-        source = Source(cfg.dataset, saved=folder)
         for split in SPLITS:
             if not (folder / split).is_dir():
                 raise ConfigError(f"dataset {folder} has no {split} split")
-        _check_saved_columns(source, cfg.task)
-        return source
+        return Source(cfg.dataset, saved=folder)
     files = {}
     for split in SPLITS:
         matches = [p for p in sorted(folder.glob(f"{split}.*")) if p.suffix in BUILDERS]
@@ -72,14 +80,23 @@ def find_source(cfg: TrainConfig) -> Source:
         raise ConfigError(f"dataset {folder}: {files['train'].name} and {files['validation'].name} must have "
                           "one format")
     for split, path in files.items():
-        _check_first_record(path, split, cfg.task)
+        if path.stat().st_size == 0:
+            raise ConfigError(f"dataset file {path} is empty: split {split} needs examples")
     return Source(cfg.dataset, files=files)
 
 
+def check_source(source: Source, task: str) -> None:
+    """The cheap checks, run by every process before any waits for the preparation: each file's
+    first record (or header, or schema) has the task's columns. A warm start skips them: its data
+    was checked whole when it was prepared."""
+    if source.saved is not None:
+        _check_saved_columns(source, task)
+    for split, path in (source.files or {}).items():
+        _check_first_record(path, split, task)
+
+
 def _check_first_record(path: Path, split: str, task: str) -> None:
-    """The file is not empty and its first record (or header, or schema) has the task's columns."""
-    if path.stat().st_size == 0:
-        raise ConfigError(f"dataset file {path} is empty: split {split} needs examples")
+    """The file's first record (or header, or schema) has the task's columns."""
     if path.suffix == ".parquet":
         try:
             names = pq.read_schema(path).names
@@ -144,16 +161,19 @@ def _first_bad_json(path: Path) -> None:
             _parse_json_line(path, number, line)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _quiet_datasets() -> Iterator[None]:
-    """datasets logs its own copy of every read error (and progress bars): we say it in one line."""
-    level = datasets.logging.get_verbosity()
+    """datasets logs its own copy of every read error (and progress bars), the tokenizer warns of
+    every document longer than its model (packing cuts them itself): we say what matters in a line."""
+    levels = datasets.logging.get_verbosity(), transformers.logging.get_verbosity()
     datasets.logging.set_verbosity(logging.CRITICAL)
+    transformers.logging.set_verbosity(logging.ERROR)
     datasets.disable_progress_bars()
     try:
         yield
     finally:
-        datasets.logging.set_verbosity(level)
+        datasets.logging.set_verbosity(levels[0])
+        transformers.logging.set_verbosity(levels[1])
 
 
 def read_raw(source: Source, cache_dir: Path | None) -> DatasetDict:
@@ -262,31 +282,210 @@ def check_max_seq_len(cfg: TrainConfig, tokenizer) -> None:
                           f"special token(s) to each example; use max_seq_len >= {special + 1}")
 
 
-def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig) -> DatasetDict:
-    """input_ids/attention_mask (truncated to max_seq_len), plus `label` for classification."""
+def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig, work: Path) -> DatasetDict:
+    """input_ids per example, plus `label` for classification: truncated to max_seq_len, or whole
+    documents when they are to be packed. Written under `work`, `num_proc` processes at a time."""
     keep = {"label"} if cfg.task == "sequence_classification" else set()
+    num_proc = cfg.data_num_proc or (min(os.cpu_count() or 1, 8) if len(raw["train"]) >= 100_000 else 1)
 
     def encode(batch):
-        return tokenizer(batch["text"], truncation=True, max_length=cfg.max_seq_len)
+        ids = tokenizer(batch["text"], truncation=not cfg.packing, max_length=cfg.max_seq_len)["input_ids"]
+        return {"input_ids": ids}
 
     with _quiet_datasets():
         return DatasetDict({
-            split: ds.map(encode, batched=True, keep_in_memory=True,
+            split: ds.map(encode, batched=True, num_proc=num_proc if len(ds) >= 2 * num_proc else None,
+                          cache_file_name=str(work / f"{split}.arrow"),
                           remove_columns=[c for c in ds.column_names if c not in keep])
             for split, ds in raw.items()
         })
 
 
+def pack(documents, eos_id: int, block: int, path: Path):
+    """Join the documents in order into one stream, one EOS between them (a document that ends in
+    EOS gets none more), and cut it into blocks of `block` tokens; the remainder is dropped. The
+    blocks do not depend on how the stream was read (num_proc, chunks): one pass, with a carry."""
+    column = documents.data.column("input_ids")
+    schema = pa.schema([("input_ids", pa.list_(pa.int32(), block))])
+    carry = np.empty(0, dtype=np.int32)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for chunk in column.chunks:
+            offsets = chunk.offsets.to_numpy()
+            if offsets[-1] == offsets[0]:
+                continue
+            tokens = chunk.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]].astype(np.int32)
+            ends = offsets[1:] - offsets[0]
+            nonempty = ends > offsets[:-1] - offsets[0]
+            without_eos = nonempty & (tokens[np.maximum(ends - 1, 0)] != eos_id)
+            stream = np.concatenate([carry, np.insert(tokens, ends[without_eos], eos_id)])
+            whole = len(stream) // block * block
+            if whole:
+                blocks = pa.FixedSizeListArray.from_arrays(pa.array(stream[:whole]), block)
+                writer.write_batch(pa.record_batch([blocks], schema=schema))
+            carry = stream[whole:]
+    return Dataset.from_file(str(path))
+
+
+CACHE_FORMAT = 1  # bump when what preparation writes changes: older caches are then not used
+META_FILE = "prepared.json"
+HEARTBEAT_S, STALE_S = 5.0, 60.0
+
+
+def source_fingerprint(source: Source) -> list:
+    """What identifies the raw data without reading it: each file's path, size and mtime."""
+    if source.files is not None:
+        files = list(source.files.values())
+    elif source.saved is not None:
+        files = sorted(p for p in source.saved.rglob("*") if p.is_file())
+    else:
+        return [source.name]
+    return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """The tokenizer as it encodes: a fast tokenizer's whole definition, else its vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return body + repr(sorted(tokenizer.special_tokens_map.items()))
+
+
+def cache_folder(cfg: TrainConfig, source: Source, tokenizer) -> Path:
+    """The prepared data's folder in data_cache_dir: its name holds a hash of everything that
+    changes it (source files, tokenizer, max_seq_len, task, packing), so a sweep over one corpus
+    shares it whatever the output_dir, and a changed file or setting prepares anew."""
+    key = json.dumps([CACHE_FORMAT, source_fingerprint(source), tokenizer_fingerprint(tokenizer), cfg.max_seq_len,
+                      cfg.task, cfg.packing])
+    name = Path(source.name).name
+    return Path(cfg.data_cache_dir) / f"{cfg.task}-{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> None:
+    """Read, check, tokenise (and pack) the data into `folder`, atomically: a temporary folder
+    beside it is renamed once everything is written."""
+    started = time.monotonic()
+    work = folder.with_name(f".tmp-{folder.name}-{socket.gethostname()}-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        raw = read_raw(source, work / "raw")
+        num_labels = validate(raw, source, cfg.task)
+        print(f"data: preparing {sum(map(len, raw.values())):,} examples of {source.name} in {folder} (once; "
+              "other processes wait for it)", flush=True)
+        data = tokenize(raw, tokenizer, cfg, work)
+        if cfg.packing:
+            data = DatasetDict({split: pack(ds, tokenizer.eos_token_id, cfg.max_seq_len, work / f"{split}_packed.arrow")
+                                for split, ds in data.items()})
+        with _quiet_datasets():
+            data.save_to_disk(str(work / "prepared"))
+        meta = {"num_labels": num_labels, "examples": {split: len(ds) for split, ds in data.items()},
+                "packing": cfg.packing, "max_seq_len": cfg.max_seq_len, "source": source.name,
+                "prepared_by": {"host": socket.gethostname(), "pid": os.getpid(), "rank": os.environ.get("RANK", "0")},
+                "seconds": round(time.monotonic() - started, 3)}
+        (work / "prepared" / META_FILE).write_text(json.dumps(meta, indent=2))
+        try:
+            (work / "prepared").rename(folder)
+        except OSError:  # another process (whose lock looked stale) finished first: its copy is the same
+            if not (folder / META_FILE).is_file():
+                raise
+        print(f"data: prepared {meta['examples']['train']:,} training and {meta['examples']['validation']:,} "
+              f"validation {'blocks' if cfg.packing else 'examples'} in {meta['seconds']:.1f} s: {folder}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+class PreparationLock:
+    """One process per filesystem prepares a dataset; the others (on every node that shares
+    data_cache_dir) wait for it. The lock is a file created exclusively (atomic on local and NFS
+    filesystems), kept fresh by a heartbeat while its holder works: one older than STALE_S
+    belonged to a process that died, and the next process takes over. A data error the holder
+    finds is left in an error file, which each waiting process reports as its own one line."""
+
+    def __init__(self, folder: Path):
+        self.path, self.error = folder.with_name(folder.name + ".lock"), folder.with_name(folder.name + ".error")
+        self.held = threading.Event()
+
+    def acquire(self) -> bool:
+        try:
+            descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        with os.fdopen(descriptor, "w") as f:
+            f.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        self.held.set()
+        threading.Thread(target=self._beat, daemon=True).start()
+        self.error.unlink(missing_ok=True)
+        return True
+
+    def _beat(self) -> None:
+        while self.held.is_set():
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+            time.sleep(HEARTBEAT_S)
+
+    def release(self, error: str | None = None) -> None:
+        if error is not None:
+            self.error.write_text(error)
+        self.held.clear()
+        self.path.unlink(missing_ok=True)
+
+    def holder(self) -> str:
+        with contextlib.suppress(OSError, ValueError):
+            who = json.loads(self.path.read_text())
+            return f"{who['host']}:{who['pid']}"
+        return "another process"
+
+    def stale(self) -> bool:
+        with contextlib.suppress(OSError):
+            return time.time() - self.path.stat().st_mtime > STALE_S
+        return False
+
+
+def prepared_folder(cfg: TrainConfig, source: Source, tokenizer) -> Path:
+    """The prepared data's folder: found (a warm start reads nothing else), or prepared here, or
+    prepared by the process that holds the lock while this one waits."""
+    folder = cache_folder(cfg, source, tokenizer)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"data_cache_dir {folder.parent} cannot be created ({err.strerror}); choose a folder "
+                          "you can write to") from None
+    if (folder / META_FILE).is_file():
+        return folder
+    check_source(source, cfg.task)
+    lock, waiting_since, said = PreparationLock(folder), time.time(), False
+    while not (folder / META_FILE).is_file():
+        if lock.error.is_file() and lock.error.stat().st_mtime >= waiting_since - HEARTBEAT_S:
+            raise ConfigError(lock.error.read_text())  # what the process that prepared it found
+        if lock.acquire():
+            try:
+                _prepare_into(folder, source, tokenizer, cfg)
+            except ConfigError as err:
+                lock.release(error=str(err))
+                raise
+            finally:
+                lock.release()
+        elif lock.stale():
+            lock.path.unlink(missing_ok=True)  # its holder died: the next loop takes over
+        else:
+            if not said and os.environ.get("RANK", "0") in ("0", ""):
+                print(f"data: waiting for {lock.holder()} to prepare {folder}", flush=True)
+                said = True
+            time.sleep(0.2)
+    return folder
+
+
 @dataclass(frozen=True)
 class Prepared:
-    data: DatasetDict
+    data: DatasetDict  # memory-mapped from the prepared folder
     num_labels: int  # classification: classes; 0 for causal_lm
+    folder: Path
 
 
 def prepare(cfg: TrainConfig, tokenizer) -> Prepared:
-    """The tokenised train and validation splits, every input check done."""
+    """The tokenised (or packed) train and validation splits, every input check done: the cheap
+    ones here, the full-pass ones inside the one preparation."""
     check_max_seq_len(cfg, tokenizer)
-    source = find_source(cfg)
-    raw = read_raw(source, None)
-    num_labels = validate(raw, source, cfg.task)
-    return Prepared(tokenize(raw, tokenizer, cfg), num_labels)
+    folder = prepared_folder(cfg, find_source(cfg), tokenizer)
+    meta = json.loads((folder / META_FILE).read_text())
+    with _quiet_datasets():
+        data = load_from_disk(str(folder))
+    return Prepared(DatasetDict(train=data["train"], validation=data["validation"]), meta["num_labels"], folder)

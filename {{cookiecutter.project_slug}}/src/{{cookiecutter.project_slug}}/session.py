@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import transformers
+
 from .batch import BatchPlan, plan_batches
 from .checkpoint import (
     check_same_entry,
@@ -50,6 +52,14 @@ def make_output_dir(output_dir: str) -> None:
         raise ConfigError(f"output_dir {out} is not writable; choose a folder you can write to")
 
 
+def quiet_libraries(env: DistEnv) -> None:
+    """What a user sees on every run and never needs: a "Writing model shards" bar per save, and on
+    CPU DeepSpeed's warning that it found no GPU (it probes when Accelerate first imports it)."""
+    transformers.utils.logging.disable_progress_bar()
+    if env.device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 @dataclass
 class Session:
     cfg: TrainConfig
@@ -61,6 +71,7 @@ class Session:
     tokenizer: object
     model_config: object
     data: object
+    data_folder: Path
     sampler: WindowSampler
     total_steps: int
     deepspeed: dict | None
@@ -76,6 +87,7 @@ class Session:
         another. `on_accelerate`: the entry point runs on Accelerate (DeepSpeed, FSDP, its mixed
         precision)."""
         env = dist_env()
+        quiet_libraries(env)
         check_back_end(cfg, env, on_accelerate)
         backend = "deepspeed" if on_accelerate and deepspeed_config_path(cfg) else "ddp"
         resume = resume_point(cfg)
@@ -112,7 +124,7 @@ class Session:
         ds_config = deepspeed_config(cfg, plan) if on_accelerate else None
         sampler = WindowSampler(len(data["train"]), plan, env.rank, cfg.seed)
         start_step = int(state["step"]) if state else 0
-        return cls(cfg, env, entry, backend, plan, resume, tokenizer, config, data, sampler,
+        return cls(cfg, env, entry, backend, plan, resume, tokenizer, config, data, prepared.folder, sampler,
                    total_steps(cfg, sampler.steps_per_epoch), ds_config, PreemptionSignal(), start_step)
 
     def init_distributed(self) -> None:
@@ -128,9 +140,11 @@ class Session:
                 "config": self.cfg.to_dict(), "versions": library_versions()}
 
     def banner(self, entry: str, model) -> str:
+        examples = f"blocks of {self.cfg.max_seq_len} tokens" if self.cfg.packing else "examples"
         return (f"{entry}: {self.cfg.task}, {sum(p.numel() for p in model.parameters()):,} parameters, "
                 f"{self.total_steps} optimizer steps ({self.sampler.steps_per_epoch} per epoch)"
                 + (f", resuming after step {self.start_step} from {self.resume}" if self.resume else "")
+                + f"\ndata: {len(self.data['train']):,} training {examples} from {self.data_folder}"
                 + "\n" + self.plan.table(self.cfg.max_seq_len))
 
     def loaders(self):
@@ -140,8 +154,9 @@ class Session:
                                      self.plan.micro_batch_size, collator)
         return train, evaluation
 
-    def windows(self, loader) -> Iterator[tuple[int, list[dict], bool]]:
-        """From start_step on: (the optimizer step it completes, its micro-batches, ends an epoch)."""
+    def windows(self, loader) -> Iterator[tuple[int, list[dict]]]:
+        """From start_step on: the optimizer step each window completes, and its micro-batches on
+        this process (grad_accum_steps of them, fewer in an epoch's short last window)."""
         per_epoch, step = self.sampler.steps_per_epoch, self.start_step
         while step < self.total_steps:
             epoch, first = divmod(step, per_epoch)
@@ -150,7 +165,7 @@ class Session:
             for s in range(first, min(per_epoch, first + self.total_steps - step)):
                 window = [next(micro_batches) for _ in range(self.sampler.micro_steps(s))]
                 step += 1
-                yield step, window, s == per_epoch - 1 or step == self.total_steps
+                yield step, window
 
     def record(self, step: int, values: dict, elapsed_s: float) -> dict:
         """The metrics.jsonl object of an optimizer step."""
@@ -220,26 +235,28 @@ class Session:
             self.stop_reason = "preemption signal (SIGUSR1)"
         return bool(self.stop_reason)
 
-    def stopping(self, step: int) -> str:
-        return (f"stopping after {self.job_steps} steps of this job (step {step} of {self.total_steps}), "
-                f"on {self.stop_reason}; continue with --resume_from_checkpoint auto")
-
-    def end_step(self, step: int, values: dict, tracker, sync_counter, ends_epoch: bool,
-                 evaluate, checkpoint) -> bool:
-        """Record optimizer step `step`, evaluate and checkpoint when due; True when this job must
-        stop here (stop_after_steps or preemption), with its checkpoint written."""
-        cfg = self.cfg
+    def log_step(self, step: int, values: dict, tracker, sync_counter=None) -> None:
+        """Record optimizer step `step` (metrics.jsonl, W&B, the progress line) and count it in this
+        job; a run whose steps keep being non-finite stops here (JobFailed, exit code 3)."""
         if sync_counter is not None:
             values["grad_sync_calls"] = sync_counter.take()
         tracker.log(self.record(step, values, tracker.elapsed()))
-        self.check_finite(step, values, tracker)
         self.job_steps += 1
-        if (cfg.eval_every and step % cfg.eval_every == 0) or (cfg.eval_every == 0 and ends_epoch):
-            evaluate(step)
-        stop = self.should_stop(step)
-        if stop or (cfg.save_steps and step % cfg.save_steps == 0):
-            checkpoint(step)
-        if stop:
-            print0(self.stopping(step))
-            tracker.finish()
-        return stop
+        self.check_finite(step, values, tracker)
+
+    def eval_due(self, step: int) -> bool:
+        """Evaluate after optimizer step `step`? Every eval_every steps, or (eval_every 0) at the end
+        of each epoch, the run's last step ending the last (maybe partial) epoch."""
+        if self.cfg.eval_every:
+            return step % self.cfg.eval_every == 0
+        return step % self.sampler.steps_per_epoch == 0 or step == self.total_steps
+
+    def save_due(self, step: int) -> bool:
+        """Write a checkpoint after optimizer step `step`? Every save_steps steps."""
+        return bool(self.cfg.save_steps) and step % self.cfg.save_steps == 0
+
+    def stopped(self, step: int, tracker) -> None:
+        """The last words of a job that stops early (its checkpoint written): how to continue."""
+        print0(f"stopping after {self.job_steps} steps of this job (step {step} of {self.total_steps}), "
+               f"on {self.stop_reason}; continue with --resume_from_checkpoint auto")
+        tracker.finish()

@@ -14,8 +14,11 @@ import math
 import netrc
 import os
 import shlex
+import sys
 import time
 from pathlib import Path
+
+from tqdm import tqdm
 
 from .batch import BatchPlan
 from .config import TrainConfig
@@ -39,29 +42,106 @@ def run_name(env: DistEnv, plan: BatchPlan) -> str:
     return f"{env.num_nodes}x{procs}-acc{plan.grad_accum_steps}-mb{plan.micro_batch_size}"
 
 
+def _count(value: float) -> str:
+    """41234.5 -> 41.2k: a rate at a glance."""
+    for size, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= size:
+            return f"{value / size:.1f}{suffix}"
+    return f"{value:.0f}"
+
+
+def _duration(seconds: float) -> str:
+    """3725 -> 1h02m, 200 -> 3m20s, 45 -> 45s."""
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class Progress:
+    """The line a user watches, on rank 0's stdout: every `log_every` optimizer steps and after the
+    last one, `step 120/3900 | loss 3.2140 | lr 2.90e-04 | grad_norm 0.93 | 41.2k tok/s | eta 1h02m`,
+    then what else the step's record holds (all-reduces per step, a skipped step). On a terminal a
+    live bar shows every step between those lines; elsewhere (a SLURM log) only plain lines."""
+
+    LINES_PER_RUN = 30  # log_every 0: about this many lines, whatever the run's length
+
+    def __init__(self, total_steps: int, start_step: int, log_every: int):
+        self.total = total_steps
+        self.every = log_every or max(1, math.ceil((total_steps - start_step) / self.LINES_PER_RUN))
+        self.since = (start_step, 0.0, 0)  # (step, elapsed_s, tokens) at the last line
+        self.bar = None
+        if sys.stdout.isatty():
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stdout, dynamic_ncols=True,
+                            leave=False, bar_format="{n_fmt}/{total_fmt} {bar:24} {postfix}")
+
+    def line(self, record: dict) -> str:
+        step, tokens = record["step"], self.since[2] + record["tokens"]
+        steps, seconds = step - self.since[0], record["elapsed_s"] - self.since[1]
+        grad_norm = record.get("grad_norm")
+        parts = [f"step {step}/{self.total}", f"loss {record['loss']:.4f}" if record["loss"] is not None else
+                 "loss nan", f"lr {record['lr']:.2e}", f"grad_norm {grad_norm:.2f}" if grad_norm is not None else
+                 "grad_norm nan"]
+        if seconds > 0:
+            parts += [f"{_count(tokens / seconds)} tok/s", f"eta {_duration((self.total - step) * seconds / steps)}"]
+        if "grad_sync_calls" in record:
+            parts.append(f"syncs {record['grad_sync_calls']}")
+        if record.get("step_skipped"):
+            parts.append("skipped")
+        return " | ".join(parts)
+
+    def evaluation(self, record: dict) -> None:
+        """`eval 13/39 | loss 4.0507 | perplexity 57.43`: every evaluation gets its line."""
+        parts = [f"{k.removeprefix('eval_')} {v:.4f}" for k, v in record.items() if k.startswith("eval_")]
+        self.write(" | ".join([f"eval {record['step']}/{self.total}", *parts]))
+
+    def write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+
+    def update(self, record: dict) -> None:
+        step = record["step"]
+        text = self.line(record)
+        if self.bar is not None:
+            self.bar.set_postfix_str(text.partition(" | ")[2], refresh=False)
+            self.bar.update(1)
+        if step % self.every == 0 or step == self.total:
+            self.write(text)
+            self.since = (step, record["elapsed_s"], 0)
+        else:
+            self.since = (*self.since[:2], self.since[2] + record["tokens"])
+        if step == self.total and self.bar is not None:
+            self.bar.close()
+
+
 class Tracker:
     """Rank 0 writes; other ranks hold a Tracker that does nothing.
 
     W&B runs through Accelerate's tracker when an `accelerator` is given, else through wandb.init.
     """
 
-    def __init__(self, cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool, accelerator=None):
-        self.active = env.is_main_process
+    def __init__(self, session, accelerator=None):
+        cfg, resumed = session.cfg, session.resume is not None
+        self.active = session.env.is_main_process
         self.path = Path(cfg.output_dir) / "metrics.jsonl"
         self.wandb_run = None
         self.start = time.perf_counter()
         self.last_elapsed = 0.0  # elapsed_s of the previous step record, for tokens_per_s
         if not self.active:
             return
+        self.progress = Progress(session.total_steps, session.start_step, cfg.log_every)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not resumed:
             self.path.write_text("")
         if cfg.report_to == "wandb":
-            self.wandb_run = _init_wandb(cfg, env, plan, resumed, accelerator)
+            self.wandb_run = _init_wandb(cfg, session.env, session.plan, resumed, accelerator)
 
     def log(self, record: dict) -> None:
-        """Append one record (a training step or an evaluation) and send it to W&B. A value that is
-        not a finite number (a diverging step's loss) is written as null: the file stays strict JSON."""
+        """Append one record (a training step or an evaluation) and send it to W&B; a step's record
+        also moves the progress line. A value that is not a finite number (a diverging step's loss)
+        is written as null: the file stays strict JSON."""
         if not self.active:
             return
         record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
@@ -69,6 +149,10 @@ class Tracker:
             f.write(json.dumps(record, allow_nan=False) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(self._wandb_record(record), step=record["step"])
+        if "loss" in record:
+            self.progress.update(record)
+        elif "eval_loss" in record:
+            self.progress.evaluation(record)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start

@@ -46,7 +46,11 @@ from .tracking import Tracker
 
 def train_step(accelerator: Accelerator, model, window: list[dict], optimizer, lr_scheduler,
                cfg: TrainConfig, world_size: int) -> dict:
-    """One optimizer step: the seed's accumulate() loop over this rank's micro-batches."""
+    """One optimizer step: the seed's accumulate() loop over this rank's micro-batches.
+
+    The slide's loop: the window is the slide's k micro-batches (k = grad_accum_steps, fewer in an
+    epoch's short last window); Accelerate's own boundary test, the slide's `(index + 1) % k == 0`,
+    is `accelerator.sync_gradients`, aligned so that it is True on the window's last micro-step."""
     targets = torch.tensor(float(sum(count_targets(b["labels"], cfg.task) for b in window)))
     num_targets = all_reduce_sum(targets.to(accelerator.device)).clamp(min=1).item()
     k = accelerator.gradient_accumulation_steps
@@ -118,17 +122,10 @@ def train(cfg: TrainConfig) -> None:
         accelerator.load_state(str(session.resume))
     print0(session.banner("train_accelerate", model))
     train_loader, eval_loader = session.loaders()
-    tracker = Tracker(cfg, env, session.plan, resumed=session.resume is not None, accelerator=accelerator)
+    tracker = Tracker(session, accelerator)
     unwrapped = accelerator.unwrap_model(model)
 
-    def run_eval(step: int) -> None:
-        tracker.log({"step": step, **evaluate(unwrapped, eval_loader, cfg.task, accelerator.device,
-                                               accelerator.autocast)})
-
-    def checkpoint(step: int) -> None:
-        session.save_checkpoint(step, lambda folder: accelerator.save_state(str(folder)))
-
-    def save_final(folder) -> None:
+    def write_model(folder) -> None:
         unwrapped.save_pretrained(folder, is_main_process=env.is_main_process, save_function=accelerator.save,
                                   state_dict=accelerator.get_state_dict(model))
         if env.is_main_process:
@@ -136,12 +133,19 @@ def train(cfg: TrainConfig) -> None:
 
     model.train()
     step = session.start_step
-    for step, window, ends_epoch in session.windows(train_loader):
+    for step, window in session.windows(train_loader):
         values = train_step(accelerator, model, window, optimizer, lr_scheduler, cfg, env.world_size)
-        if session.end_step(step, values, tracker, sync_counter, ends_epoch, run_eval, checkpoint):
-            return
+        session.log_step(step, values, tracker, sync_counter)
+        if session.eval_due(step):
+            tracker.log({"step": step, **evaluate(unwrapped, eval_loader, cfg.task, accelerator.device,
+                                                   accelerator.autocast)})
+        stop = session.should_stop(step)  # --stop_after_steps, or a preemption signal on any process
+        if stop or session.save_due(step):
+            session.save_checkpoint(step, lambda folder: accelerator.save_state(str(folder)))
+        if stop:
+            return session.stopped(step, tracker)
 
-    session.save_final(step, save_final)
+    session.save_final(step, write_model)
     session.done(step, tracker)
 
 

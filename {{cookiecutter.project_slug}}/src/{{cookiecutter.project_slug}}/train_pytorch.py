@@ -39,7 +39,11 @@ from .tracking import Tracker
 
 def train_step(ddp_model, window: list[dict], optimizer, lr_scheduler, scaler, cfg: TrainConfig,
                env: DistEnv, autocast) -> dict:
-    """One optimizer step over this rank's micro-batches of the window."""
+    """One optimizer step over this rank's micro-batches of the window.
+
+    The slide's loop: the window is the slide's k micro-batches (k = grad_accum_steps, fewer in an
+    epoch's short last window), and the slide's boundary test `(index + 1) % k == 0` is the
+    window's last micro-step, `is_last` here: the only one that syncs, then step, schedule, zero."""
     model = ddp_model.module if isinstance(ddp_model, DDP) else ddp_model
     targets = torch.tensor(float(sum(count_targets(b["labels"], cfg.task) for b in window)), device=env.device)
     num_targets = all_reduce_sum(targets).clamp(min=1).item()  # real targets, all ranks
@@ -110,27 +114,27 @@ def train(cfg: TrainConfig) -> None:
         sync_counter = GradSyncCounter(ddp_model)
     autocast = partial(autocast_for, cfg, env.device)
     train_loader, eval_loader = session.loaders()
-    tracker = Tracker(cfg, env, session.plan, resumed=session.resume is not None)
+    tracker = Tracker(session)
 
-    def run_eval(step: int) -> None:
-        tracker.log({"step": step, **evaluate(model, eval_loader, cfg.task, env.device, autocast)})
-
-    def checkpoint(step: int) -> None:
-        def write(folder: Path) -> None:
-            save_rng(folder, env.rank)
-            if env.is_main_process:
-                save_model(model, str(folder / "model.safetensors"))
-                torch.save({"optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
-                            "scaler": scaler.state_dict()}, folder / "training_state.pt")
-
-        session.save_checkpoint(step, write)
+    def write_checkpoint(folder: Path) -> None:
+        save_rng(folder, env.rank)
+        if env.is_main_process:
+            save_model(model, str(folder / "model.safetensors"))
+            torch.save({"optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
+                        "scaler": scaler.state_dict()}, folder / "training_state.pt")
 
     model.train()
     step = session.start_step
-    for step, window, ends_epoch in session.windows(train_loader):
+    for step, window in session.windows(train_loader):
         values = train_step(ddp_model, window, optimizer, lr_scheduler, scaler, cfg, env, autocast)
-        if session.end_step(step, values, tracker, sync_counter, ends_epoch, run_eval, checkpoint):
-            return
+        session.log_step(step, values, tracker, sync_counter)
+        if session.eval_due(step):
+            tracker.log({"step": step, **evaluate(model, eval_loader, cfg.task, env.device, autocast)})
+        stop = session.should_stop(step)  # --stop_after_steps, or a preemption signal on any process
+        if stop or session.save_due(step):
+            session.save_checkpoint(step, write_checkpoint)
+        if stop:
+            return session.stopped(step, tracker)
 
     session.save_model(step, model)
     session.done(step, tracker)

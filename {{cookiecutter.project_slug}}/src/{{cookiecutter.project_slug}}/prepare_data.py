@@ -1,0 +1,23 @@
+"""Prepare the data of a config once, before any training job needs it (on a CPU node, say):
+read, check, tokenise (and pack) it into data_cache_dir, where every later run on the same data
+and settings finds it. Takes the training flags (the config files, --dataset, --max_seq_len,
+--packing, --data_cache_dir, --data_num_proc, ...); a data error is one line and exit code 2.
+
+    python -m {{ cookiecutter.project_slug }}.prepare_data --config configs/train.yaml --dataset data/my_corpus
+    make data ARGS="--dataset data/my_corpus --packing true"
+"""
+
+from .config import TrainConfig, run_cli
+from .model import load_tokenizer
+from .prepare import prepare
+
+
+def prepare_data(cfg: TrainConfig) -> None:
+    prepared = prepare(cfg, load_tokenizer(cfg))
+    data = prepared.data
+    print(f"ready: {len(data['train']):,} training and {len(data['validation']):,} validation "
+          f"{'blocks' if cfg.packing else 'examples'} in {prepared.folder}")
+
+
+if __name__ == "__main__":
+    run_cli(prepare_data)

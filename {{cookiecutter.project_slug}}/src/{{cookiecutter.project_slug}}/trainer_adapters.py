@@ -1,0 +1,187 @@
+"""What train_trainer.py puts into the HF `Trainer` so that it trains exactly as the other two
+entry points do. Each adapter replaces one library default, through the Trainer's public hooks
+(constructor arguments, overridable `get_*`/`create_*` methods, a TrainerCallback):
+
+- WindowTrainer: the data order, the optimizer and schedule, the fp16 loss scale, the console;
+- WindowLoss: the loss normalisation (`compute_loss_func`);
+- RunRecorder: the record of each step, non-finite steps, checkpoints, stopping (a callback);
+- eval_summaries / compute_metrics: evaluation by real targets, as evaluation.evaluate does.
+"""
+
+import math
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from transformers import PrinterCallback, Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .checkpoint import checkpoints_dir, publish
+from .distributed import GradSyncCounter, all_reduce_sum
+from .evaluation import classification_metrics, confusion_matrix
+from .model import count_targets, summed_loss
+from .optim import build_optimizer, build_scheduler
+
+
+class WindowTrainer(Trainer):
+    """The Trainer with four of its defaults replaced:
+
+    - `get_train_dataloader` returns the project's window loader instead of the Trainer's own
+      sampler over the dataset, whose order depends on the world size: every entry point then sees
+      the same micro-batches in the same windows;
+    - `create_optimizer` / `create_scheduler` return the project's (optim.py) instead of those the
+      Trainer builds from TrainingArguments (with DeepSpeed it would ignore an optimizer passed in);
+    - the fp16 loss scaler starts at `fp16_init_scale` (Accelerate's default is 2**16), set through
+      the scaler's own state, which a resumed checkpoint then overwrites;
+    - the Trainer's per-step dict on the console gives way to the project's progress line.
+    """
+
+    def __init__(self, *args, session, train_loader, **kwargs):
+        self.session, self.train_loader = session, train_loader
+        super().__init__(*args, **kwargs)
+        scaler = self.accelerator.scaler
+        if scaler is not None:
+            scaler.load_state_dict({**scaler.state_dict(), "scale": session.cfg.fp16_init_scale})
+        self.remove_callback(PrinterCallback)
+
+    def get_train_dataloader(self):
+        return self.train_loader
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(model or self.model, self.session.cfg)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None:
+            self.lr_scheduler = build_scheduler(optimizer or self.optimizer, self.session.cfg, num_training_steps)
+        return self.lr_scheduler
+
+
+class WindowLoss:
+    """`compute_loss_func`: the summed loss over the real targets of the whole global batch, which
+    the Trainer counts across micro-batches and (average_tokens_across_devices) ranks as
+    `num_items_in_batch`. Replaces the model's own per-micro-batch mean, which weighs a micro-batch
+    with few real targets as much as a full one. Keeps the window's loss sum for RunRecorder."""
+
+    def __init__(self, task: str):
+        self.task = task
+        self.window_sum = torch.zeros((), dtype=torch.float64)
+        self.micro_steps, self.num_targets = 0, 0
+
+    def __call__(self, outputs, labels, num_items_in_batch=None):
+        loss = summed_loss(outputs.logits, labels, self.task)
+        if num_items_in_batch is None:
+            num_items_in_batch = max(count_targets(labels, self.task), 1)
+        if torch.is_grad_enabled():  # a training micro-step (evaluation runs without grad)
+            self.window_sum = self.window_sum + loss.detach().double()  # on the loss's device
+            self.micro_steps += 1
+            self.num_targets = int(num_items_in_batch)
+        return loss / num_items_in_batch
+
+    def take(self) -> tuple[torch.Tensor, int, int]:
+        """The window's loss sum (this rank), its micro-steps and real targets (all ranks); reset."""
+        taken = self.window_sum, self.micro_steps, self.num_targets
+        self.window_sum, self.micro_steps = torch.zeros((), dtype=torch.float64), 0
+        return taken
+
+
+class RunRecorder(TrainerCallback):
+    """Replaces the Trainer's logging and adds what it lacks, as the other entry points do it:
+
+    - the record of each optimizer step (metrics.jsonl, W&B, the progress line) with their keys; the
+      lr is read before the optimizer step, since the Trainer logs the one after the scheduler moved;
+    - a step whose loss or gradients are not finite is skipped on every rank: without gradients the
+      optimizer's step changes nothing, and the schedule the Trainer moved is put back (DeepSpeed
+      skips such a step itself);
+    - each checkpoint the Trainer wrote (checkpoint-<N>) is published atomically as step_<N>;
+    - --stop_after_steps and the preemption signal end the job with a checkpoint; a job stopped
+      mid-epoch leaves that epoch's evaluation to the resumed job.
+    """
+
+    def __init__(self, session, tracker, trainer, loss: WindowLoss):
+        self.session, self.tracker, self.trainer, self.loss = session, tracker, trainer, loss
+        self.sync_counter = None
+        self.values: dict = {}
+        self.finite, self.schedule = True, None
+        self.stopped = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if isinstance(self.trainer.model_wrapped, DDP):
+            self.sync_counter = GradSyncCounter(self.trainer.model_wrapped)
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        # The epoch's permutation; set here because a resumed epoch's loader is a skipping copy.
+        self.session.sampler.set_epoch(state.global_step // self.session.sampler.steps_per_epoch)
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, lr_scheduler=None, model=None, **kwargs):
+        # one host sync per optimizer step: the window's loss (all ranks) and the clipped gradients' norm
+        window_sum, micro_steps, num_targets = self.loss.take()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        loss_total, norm = torch.stack([all_reduce_sum(window_sum.to(args.device)),
+                                        norm.to(args.device, torch.float64)]).tolist()
+        self.values = {"loss": loss_total / max(num_targets, 1), "lr": optimizer.param_groups[0]["lr"],
+                       "tokens": num_targets, "micro_steps": micro_steps}
+        self.finite = math.isfinite(loss_total) and math.isfinite(norm)
+        if not self.finite:
+            for p in model.parameters():
+                p.grad = None
+            self.schedule = lr_scheduler.state_dict()
+
+    def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        if not self.finite:  # the Trainer moved the schedule after the skipped step: put it back
+            lr_scheduler.load_state_dict(self.schedule)
+            for group, lr in zip(optimizer.param_groups, self.schedule["_last_lr"], strict=True):
+                group["lr"] = lr
+        # fp16, DeepSpeed: the Trainer moved the schedule only when their own check did not skip the step
+        skipped = not self.finite or self.trainer.accelerator.optimizer_step_was_skipped
+        if args.fp16 or skipped:
+            self.values["step_skipped"] = skipped
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # after each optimizer step (logging_steps 1), before the Trainer evaluates and saves
+        if "loss" in logs:
+            values = {**self.values, "grad_norm": logs.get("grad_norm")}
+            self.session.log_step(state.global_step, values, self.tracker, self.sync_counter)
+            if self.session.should_stop(state.global_step):
+                control.should_save = control.should_training_stop = True
+                self.stopped = True
+        eval_keys = {k: v for k, v in logs.items()
+                     if k.startswith("eval_") and not k.endswith(("_runtime", "_per_second"))}
+        if eval_keys:
+            self.tracker.log({"step": state.global_step, **eval_keys})
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.stopped and state.global_step % self.session.sampler.steps_per_epoch:
+            control.should_evaluate = False
+
+    def on_save(self, args, state, control, **kwargs):
+        step, cfg = state.global_step, self.session.cfg
+        written = checkpoints_dir(cfg.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        publish(cfg, self.session.env, written, checkpoints_dir(cfg.output_dir) / f"step_{step}",
+                self.session.state(step))
+
+
+def eval_summaries(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
+    """preprocess_logits_for_metrics: per example (summed loss, real targets, prediction), so
+    evaluation gathers three numbers per example instead of its logits (the Trainer's default)."""
+    per_example = [summed_loss(logits[i:i + 1], labels[i:i + 1], task) for i in range(len(labels))]
+    counts = [count_targets(labels[i:i + 1], task) for i in range(len(labels))]
+    prediction = logits.argmax(-1) if task == "sequence_classification" else torch.zeros(len(labels))
+    return torch.stack([torch.stack(per_example).float(), torch.tensor(counts, dtype=torch.float32,
+                        device=logits.device), prediction.float().view(len(labels), -1)[:, -1]], dim=1)
+
+
+def compute_metrics(eval_prediction, task: str, num_labels: int) -> dict:
+    """compute_metrics: the mean loss over real targets (returned as `loss`, which the Trainer then
+    reports as eval_loss in place of its average of batch means), plus perplexity, or accuracy and
+    F1, as evaluation.evaluate computes them."""
+    summary = np.asarray(eval_prediction.predictions)
+    loss = float(summary[:, 0].sum() / max(summary[:, 1].sum(), 1.0))
+    if task == "causal_lm":
+        return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0)))}
+    labels = np.asarray(eval_prediction.label_ids).astype(np.int64)
+    confusion = confusion_matrix(labels, summary[:, 2].astype(np.int64), num_labels)
+    metrics = classification_metrics(confusion)
+    return {"loss": loss, "accuracy": metrics["eval_accuracy"], "f1": metrics["eval_f1"]}
