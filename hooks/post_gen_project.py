@@ -31,9 +31,15 @@ def unchosen_paths(answers: dict) -> list[Path]:
     if chosen == ("pytorch",):
         paths += [Path("configs", "accelerate"), Path("configs", "deepspeed"), slurm / "accelerate.sbatch",
                   slurm / "deepspeed.sbatch"]
-    elif answers["deepspeed_stage"] == "none":
+    if chosen == ("pytorch",) or answers["deepspeed_stage"] == "none":
+        paths.append(Path("configs", "experiments", "deepspeed.yaml"))
+    if answers["deepspeed_stage"] == "none" and chosen != ("pytorch",):
         paths += [Path("configs", "deepspeed"), *Path("configs", "accelerate").glob("deepspeed_*.yaml"),
                   slurm / "deepspeed.sbatch"]
+    if answers["ci"] != "github":
+        paths.append(Path(".github"))
+    if answers["ci"] != "gitlab":
+        paths.append(Path(".gitlab-ci.yml"))
     return paths
 
 

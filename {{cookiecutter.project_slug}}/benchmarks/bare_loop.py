@@ -1,35 +1,55 @@
-"""The bare reference loop of the overhead benchmark: the same config, data windows, model,
-optimizer and schedule as the entry points, and nothing else (no logging, no checkpoints, no
-evaluation). It writes only `metrics.jsonl` with `step` and `elapsed_s` per optimizer step, timed
-as the entry points time theirs, so steps per second compare one to one.
+"""The anchor of the GPU check: a training loop written the way karpathy/nanoGPT's train.py writes
+its own, on the project's model, data windows and optimizer settings, and nothing else: TF32 (set
+by Session.start), fused AdamW, bf16 autocast, torch.compile, accumulation with the loss divided by
+the micro-steps, clipping, one step per window; one process. It
+logs nothing but `metrics.jsonl` with the step, its real tokens and `elapsed_s`, so its tokens per
+second and MFU compare one to one with the entry points'.
 
-    python -m benchmarks.bare_loop --max_steps 40 --output_dir runs/bare   # any training flag
+    python -m benchmarks.bare_loop --max_steps 40 --output_dir runs/bare --compile true   # any training flag
 """
 
 import json
+import math
+import time
+from contextlib import nullcontext
 from pathlib import Path
 
+import torch
+
 from {{ cookiecutter.project_slug }}.config import TrainConfig, run_cli
-from {{ cookiecutter.project_slug }}.model import build_model
+from {{ cookiecutter.project_slug }}.model import AMP_DTYPES, build_model, count_targets, summed_loss
 from {{ cookiecutter.project_slug }}.optim import build_optimizer, build_scheduler
 from {{ cookiecutter.project_slug }}.session import Session
-
-from .common import clock, optimizer_step
 
 
 def train(cfg: TrainConfig) -> None:
     session = Session.start(cfg, entry="bare", on_accelerate=False)
     device = session.env.device
     model = build_model(cfg, session.model_config).to(device)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, device)  # fused AdamW on CUDA
     lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps)
+    forward = torch.compile(model) if cfg.compile else model
+    ctx = torch.autocast(device.type, dtype=AMP_DTYPES[cfg.mixed_precision]) if cfg.mixed_precision != "no" \
+        else nullcontext()
     train_loader, _ = session.loaders()
-    model.train()
-    start, records = clock(device), []
-    for step, window, _ in session.windows(train_loader):
-        optimizer_step(model, window, optimizer, cfg, device)
+    records, start = [], time.perf_counter()
+    for step, window in session.windows(train_loader):
+        tokens = 0
+        for micro_batch in window:
+            batch = {k: v.to(device, non_blocking=True) for k, v in micro_batch.items()}
+            labels = batch.pop("labels")
+            tokens += count_targets(micro_batch["labels"], cfg.task)
+            with ctx:
+                logits = forward(**batch).logits
+            loss = summed_loss(logits, labels, cfg.task) / max(count_targets(micro_batch["labels"], cfg.task), 1)
+            (loss / len(window)).backward()  # nanoGPT: the mean of the micro-steps' means
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
+        optimizer.step()
         lr_scheduler.step()
-        records.append({"step": step, "elapsed_s": round(clock(device) - start, 3)})
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        records.append({"step": step, "tokens": tokens, "elapsed_s": round(time.perf_counter() - start, 4)})
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.output_dir) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 

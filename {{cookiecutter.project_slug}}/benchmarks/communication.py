@@ -51,7 +51,7 @@ def measure(model, cfg, env, config, grad_accum_steps: int, no_sync: bool, steps
     ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                     bucket_cap_mb=cfg.ddp_bucket_cap_mb)
     counter = GradSyncCounter(ddp_model)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, env.device)
     window = [worst_case_batch(cfg, config, cfg.micro_batch_size, env.device)] * grad_accum_steps
     for _ in range(WARMUP_STEPS):
         optimizer_step(ddp_model, window, optimizer, cfg, env.device, no_sync)

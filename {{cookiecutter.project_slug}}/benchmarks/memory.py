@@ -47,7 +47,7 @@ def measure_all(cfg, device, divisors: tuple[int, ...]) -> tuple[list[dict], int
     """A row per micro batch B / divisor (and the model's parameter bytes), on one model."""
     config = model_config(cfg, load_tokenizer(cfg))
     model = build_model(cfg, config).to(device)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, device)
     rows = []
     for k in divisors:
         b = cfg.global_batch_size // k

@@ -52,6 +52,11 @@ MATRIX = {"global_batch_size": GLOBAL_BATCH, "max_steps": 8, "warmup_steps": 2, 
 ACCUM = {"micro_batch_size": 2, **MATRIX}  # on 2 processes: accumulation 4
 
 
+def cell(runs, entry: str, nproc: int, accum: int, **flags):
+    """The parity matrix's run of `nproc` processes x `accum` micro-steps (RunCache: once per session)."""
+    return runs(entry, nproc, micro_batch_size=GLOBAL_BATCH // (nproc * accum), **MATRIX, **flags)
+
+
 def short_windows(dataset: Path) -> dict:
     """2 epochs of `small_dataset` in windows of 16, 16 and 5 examples, plain SGD: parameters move
     by exactly lr x gradient, so a mis-scaled window shows (Adam would hide it)."""
@@ -133,6 +138,7 @@ def offline_env(tmp: Path) -> dict:
         HF_DATASETS_OFFLINE="1",
         HF_DATASETS_DISABLE_PROGRESS_BARS="1",
         HF_DATASETS_CACHE=str(tmp / "hf_datasets"),
+        TORCHINDUCTOR_CACHE_DIR=str(ROOT / ".pytest_cache" / "torchinductor"),  # compiled kernels, kept
         WANDB_MODE="offline",
         WANDB_DIR=str(tmp / "wandb"),
         WANDB_SILENT="true",

@@ -4,14 +4,16 @@ memory of an optimizer step follows the micro batch, not the global batch; loss_
 runs it is given."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from benchmarks import communication, loss_curves, memory
-from benchmarks.common import parser
+from benchmarks import communication, loss_curves, memory, overhead
+from benchmarks.common import entry_points, parser
 
-from conftest import report
+from conftest import ROOT, report
 
 
 def quick_args(tmp_path):
@@ -65,3 +67,27 @@ def test_loss_curves_plots_every_run(tmp_path):
     loss_curves.main([*map(str, runs), "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert loss_curves.largest_difference([loss_curves.losses(run) for run in runs]) == pytest.approx(1e-3)
+
+
+@pytest.mark.slow
+def test_the_overhead_is_measured_step_against_step_in_one_process(tmp_path):
+    """ABAB: every timed step of each entry point has its bare step beside it, both in CPU time."""
+    rows = overhead.run(quick_args(tmp_path))
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["overhead"] == rows
+    assert {row["entry"] for row in rows} == set(entry_points())
+    for row in rows:
+        assert row["steps"] == 20 - 1 - overhead.WARMUP_STEPS  # one bare step between each two steps
+        assert row["entry_ms"] > 0 and row["bare_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["bare_ms"] / row["entry_ms"], abs=1e-3)
+    report("overhead (quick, CPU time, ABAB): " + ", ".join(f"{r['entry']} {r['ratio']:.3f}" for r in rows))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the check runs for real (make gpu-check)")
+def test_the_gpu_check_says_in_one_line_that_there_is_no_gpu(env):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], cwd=ROOT, env={**env, "PYTHONPATH": "src:."},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines() == ["gpu_check: no GPU here (torch.cuda.is_available() is False): "
+                                                "nothing to measure"]

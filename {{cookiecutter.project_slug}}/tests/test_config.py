@@ -1,6 +1,9 @@
 """One config, typed: YAML keys and flags map one to one, and mistakes are ConfigErrors."""
 
+import os
 import re
+import subprocess
+import sys
 from dataclasses import fields
 
 import pytest
@@ -33,6 +36,25 @@ def test_every_default_lives_once_in_the_dataclass(tmp_path, capsys):
     for key, value in TrainConfig().to_dict().items():  # each option's text ends with its default
         shown = re.search(r"\(default: ([^)]*)\)", options[options.index(f"--{key} "):])[1]
         assert shown == (str(value).lower() if isinstance(value, bool) else str(value)), key
+
+
+def test_later_config_files_win_and_the_merge_is_printed(tmp_path):
+    """--config A --config B: B's keys over A's, flags over both; `python -m <slug>.config` with
+    them prints the merged config as YAML (what a run records); every shipped overlay loads."""
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("learning_rate: 1.0e-4\nmax_steps: 7\nseed: 3\n")
+    second.write_text("max_steps: 11\noptimizer: sgd\n")
+    argv = ["--config", str(CONFIG), "--config", str(first), "--config", str(second), "--seed", "5"]
+    cfg = load_config(argv)
+    assert (cfg.learning_rate, cfg.max_steps, cfg.optimizer, cfg.seed) == (1e-4, 11, "sgd", 5)
+    printed = subprocess.run([sys.executable, "-m", "{{ cookiecutter.project_slug }}.config", *argv], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": "src"})
+    assert printed.returncode == 0, printed.stderr
+    assert yaml.safe_load(printed.stdout) == cfg.to_dict()
+    for overlay in sorted((ROOT / "configs" / "experiments").glob("*.yaml")):
+        values = yaml.safe_load(overlay.read_text())
+        merged = load_config(["--config", str(CONFIG), "--config", str(overlay)]).to_dict()
+        assert {key: merged[key] for key in values} == values, overlay.name
 
 
 def test_flags_override_the_file(tmp_path):

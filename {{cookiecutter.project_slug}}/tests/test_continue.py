@@ -75,13 +75,41 @@ def test_a_finished_model_trains_further_in_a_new_run(runs, env, tmp_path):
     assert further.steps[0]["loss"] < finished.steps[0]["loss"] - 0.1
 
 
+# an experiment overlay of keys a resume may change, given after configs/train.yaml
+OVERLAY = "eval_every: 3\nlog_every: 1\n"
+
+
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory, runs):
-    """A run of the first entry point stopped after step 4 of 6, with checkpoints at steps 2 and 4."""
+    """A run of the first entry point stopped after step 4 of 6, with checkpoints at steps 2 and 4,
+    its config merged from configs/train.yaml and OVERLAY."""
     out = tmp_path_factory.mktemp("stopped") / "run"
-    proc = launch(ENTRIES[0], out, runs.env, *flags_of(STOPPED))
+    (out.parent / "overlay.yaml").write_text(OVERLAY)
+    proc = launch(ENTRIES[0], out, runs.env, *overlaid(out), *flags_of(STOPPED))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
+
+
+def overlaid(stopped) -> list[str]:
+    return ["--config", CONFIG, "--config", str(stopped.parent / "overlay.yaml")]
+
+
+def test_the_checkpoint_records_the_merged_config(stopped):
+    state = verify_checkpoint(stopped / "checkpoints" / "step_4")
+    merged = load_config([*overlaid(stopped), *flag_args(), *flags_of(STOPPED), "--output_dir", str(stopped)])
+    assert (merged.eval_every, merged.log_every) == (3, 1)
+    assert state["config"] == merged.to_dict()
+
+
+def test_a_resume_compares_against_the_merged_config(stopped, tmp_path):
+    """Another overlay on resume is checked like a flag: one that changes a training key is refused."""
+    checkpoint = stopped / "checkpoints" / "step_4"
+    other = tmp_path / "seed.yaml"
+    other.write_text("seed: 7\n")
+    cfg = load_config([*overlaid(stopped), "--config", str(other), *flag_args(),
+                       *flags_of({**STOPPED, "output_dir": stopped, "resume_from_checkpoint": "auto"})])
+    with pytest.raises(ConfigError, match=f"^{checkpoint} was trained with seed 42, this run has seed 7"):
+        check_same_training(verify_checkpoint(checkpoint), cfg, checkpoint)
 
 
 CHANGED = {"global_batch_size": 32, "seed": 7, "task": "sequence_classification", "model_name_or_path": "gpt2",

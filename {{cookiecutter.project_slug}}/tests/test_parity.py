@@ -32,6 +32,7 @@ from conftest import (
     TOL,
     Run,
     c10d_launch_cmd,
+    cell,
     flag_args,
     free_port,
     max_abs_diff,
@@ -49,10 +50,6 @@ def cell_id(shape: tuple[int, int]) -> str:
 
 
 CELLS = [(1, 1), (1, 4), (2, 1), (2, 4)]  # (processes, grad_accum_steps); ACCUM is the 2x4 cell
-
-
-def cell(runs, entry: str, nproc: int, accum: int, **flags):
-    return runs(entry, nproc, micro_batch_size=GLOBAL_BATCH // (nproc * accum), **MATRIX, **flags)
 
 
 PACKED = {"task": "causal_lm", "packing": "true"}  # documents joined into full blocks of max_seq_len tokens

@@ -95,6 +95,17 @@ class TrainConfig:
     fp16_init_scale: float = _doc(
         "fp16's first loss scale; halved (and the step skipped) on every overflow.", 65536.0)
     gradient_checkpointing: bool = _doc("Recompute activations in the backward pass.", False)
+    compile: bool = _doc("torch.compile the model (inductor; automatic dynamic shapes), in every entry point.", False)
+    tf32: bool = _doc("TF32 matmuls on CUDA (faster, 10-bit mantissa); false keeps them full fp32.", True)
+    fused_adamw: bool = _doc("AdamW's fused CUDA kernel (optimizer adamw on CUDA).", True)
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = _doc(
+        "The model's attention kernel: sdpa (torch's scaled_dot_product_attention), eager, or "
+        "flash_attention_2 (needs the flash-attn package).", "sdpa")
+    dataloader_workers: int = _doc(
+        "Processes that collate the next micro-batches while the device computes; -1: 4 on CUDA (with "
+        "pinned memory), 0 on CPU.", -1)
+    peak_tflops: float = _doc(
+        "The device's peak TFLOP/s for MFU; 0 takes it from a table of common GPUs (none on CPU: no mfu).", 0.0)
 
     eval_every: int = _doc("Evaluate every N optimizer steps; 0 evaluates once per epoch.", 0)
     log_every: int = _doc(
@@ -140,7 +151,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         non_negative = ("warmup_steps", "weight_decay", "max_grad_norm", "eval_every", "log_every", "memory_budget_mb",
-                        "data_num_proc", "save_steps", "save_total_limit", "stop_after_steps")
+                        "data_num_proc", "save_steps", "save_total_limit", "stop_after_steps", "peak_tflops")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -148,6 +159,8 @@ class TrainConfig:
             raise ConfigError(f"max_steps must be -1 (train num_epochs) or >= 1, got {self.max_steps}")
         if not self.learning_rate > 0:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.dataloader_workers < -1:
+            raise ConfigError(f"dataloader_workers must be -1 (auto) or >= 0, got {self.dataloader_workers}")
         if self.packing and self.task != "causal_lm":
             raise ConfigError(f"packing joins documents for causal_lm; task {self.task} keeps one example per "
                               "sequence: set packing false")
@@ -167,7 +180,10 @@ YAML_HEADER = """\
 # The one config of this project: train_pytorch, train_accelerate and train_trainer all read it.
 # Every key is also a flag of the same name that overrides it (--learning_rate 3e-4), and `--help`
 # lists them with the values this file gives. More files may follow (--config A --config B: later
-# ones win). This file is written from the defaults in src/{{ cookiecutter.project_slug }}/config.py:
+# ones win, e.g. an overlay of configs/experiments/), and
+#   python -m {{ cookiecutter.project_slug }}.config --config A --config B
+# prints the merged config that a run records. This file is written from the defaults in
+# src/{{ cookiecutter.project_slug }}/config.py:
 #   python -m {{ cookiecutter.project_slug }}.config > configs/train.yaml
 """
 
@@ -178,15 +194,16 @@ def _yaml_value(value) -> str:
     return json.dumps(value) if isinstance(value, str) else repr(value)  # a JSON string is a YAML string
 
 
-def render_yaml() -> str:
-    """configs/train.yaml as TrainConfig defines it: every key with its default, under its help."""
-    lines = [YAML_HEADER.rstrip("\n")]
+def render_yaml(cfg: TrainConfig | None = None) -> str:
+    """configs/train.yaml as TrainConfig defines it: every key with its default, under its help;
+    given `cfg`, with its values instead (the merged config that a run with it records)."""
+    lines = [YAML_HEADER.rstrip("\n")] if cfg is None else []
     for f in fields(TrainConfig):
         if f.name in SECTIONS:
             lines += ["", f"# == {SECTIONS[f.name]} =="]
         lines += [f"# {line}" for line in textwrap.wrap(f.metadata["help"], 98)]
-        lines.append(f"{f.name}: {_yaml_value(f.default)}")
-    return "\n".join(lines) + "\n"
+        lines.append(f"{f.name}: {_yaml_value(f.default if cfg is None else getattr(cfg, f.name))}")
+    return "\n".join(lines).lstrip("\n") + "\n"
 
 
 class _Parser(HfArgumentParser):
@@ -304,4 +321,7 @@ def run_cli(train: Callable[[TrainConfig], None]) -> None:
 
 
 if __name__ == "__main__":
-    print(render_yaml(), end="")
+    if len(sys.argv) > 1:  # --config files and flags: the merged config, as a run records it
+        run_cli(lambda cfg: print(render_yaml(cfg), end=""))
+    else:  # configs/train.yaml, from the defaults
+        print(render_yaml(), end="")

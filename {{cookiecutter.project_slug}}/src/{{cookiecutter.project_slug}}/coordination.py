@@ -33,6 +33,10 @@ def check_back_end(cfg: TrainConfig, env: DistEnv, on_accelerate: bool) -> None:
     if fsdp and env.device.type == "cpu":
         raise ConfigError("FSDP needs GPUs: on CPU Accelerate ignores the FSDP config and would train plain DDP; "
                           "use configs/accelerate/multi_gpu.yaml on CPU, fsdp.yaml on GPUs")
+    if cfg.compile and env.world_size > 1 and cfg.ddp_bucket_cap_mb < 1 and not deepspeed_config_path(cfg):
+        raise ConfigError(f"compile with DDP needs ddp_bucket_cap_mb >= 1, got {cfg.ddp_bucket_cap_mb:g}: "
+                          "torch.compile splits the graph at DDP's buckets and refuses buckets smaller than DDP's "
+                          "first one (1 MiB)")
     if on_accelerate and cfg.mixed_precision == "fp16" and env.device.type == "cpu":
         raise ConfigError("mixed_precision fp16 on CPU: Accelerate (and the Trainer on it) runs no fp16 autocast "
                           "or loss scaling on CPU and would train in fp32; use bf16 on CPU, or train_pytorch")

@@ -8,6 +8,8 @@ and cuts its share into micro-batches. The last window of an epoch takes the rem
 example is duplicated or dropped. When the remainder leaves a rank with an empty micro-batch,
 that rank runs a *filler* micro-batch whose labels are all masked, so every rank takes the same
 number of micro-steps (DDP needs that) and the filler adds exactly zero to the gradient.
+Under torch.compile a micro-batch has at least 2 rows (`min_rows`), filled the same way: dynamo
+specialises a dimension of size 1, so a remainder of one example would compile a second graph.
 """
 
 import math
@@ -28,8 +30,9 @@ class WindowSampler(Sampler):
     micro-batches (see the module docstring).
     """
 
-    def __init__(self, num_examples: int, plan: BatchPlan, rank: int, seed: int):
+    def __init__(self, num_examples: int, plan: BatchPlan, rank: int, seed: int, min_rows: int = 1):
         self.num_examples = num_examples
+        self.min_rows = min(min_rows, plan.micro_batch_size)  # filler rows make up the difference
         self.plan = plan
         self.rank = rank
         self.seed = seed
@@ -66,8 +69,8 @@ class WindowSampler(Sampler):
         b = self.plan.micro_batch_size
         batches = []
         for m in range(self.micro_steps(step)):
-            part = share[m * b:(m + 1) * b]
-            batches.append([(i, True) for i in part] or [(order[0], False)])
+            part = [(i, True) for i in share[m * b:(m + 1) * b]]
+            batches.append(part + [(order[0], False)] * max(self.min_rows - len(part), 0))
         return batches
 
     def __iter__(self):
@@ -129,12 +132,18 @@ class WindowLoader(DataLoader):
         self.batch_sampler.set_epoch(epoch)
 
 
-def train_dataloader(train_set, sampler: WindowSampler, collator: Collator) -> WindowLoader:
-    return WindowLoader(_Marked(train_set), batch_sampler=sampler, collate_fn=collator)
+def loading(workers: int, pin_memory: bool) -> dict:
+    """DataLoader arguments: `workers` processes collate the next micro-batches while the device
+    computes (kept between epochs), into pinned memory for non-blocking copies to a GPU."""
+    return {"num_workers": workers, "persistent_workers": workers > 0, "pin_memory": pin_memory}
+
+
+def train_dataloader(train_set, sampler: WindowSampler, collator: Collator, **loading_kwargs) -> WindowLoader:
+    return WindowLoader(_Marked(train_set), batch_sampler=sampler, collate_fn=collator, **loading_kwargs)
 
 
 def eval_dataloader(eval_set, rank: int, world_size: int, batch_size: int,
-                    collator: Collator) -> DataLoader:
+                    collator: Collator, **loading_kwargs) -> DataLoader:
     """This rank's strided share of the evaluation set: every example exactly once overall.
 
     Every rank runs the same number of batches (that of rank 0, which has the largest share): a
@@ -144,4 +153,4 @@ def eval_dataloader(eval_set, rank: int, world_size: int, batch_size: int,
     batches = [[(i, True) for i in shard[j:j + batch_size]] for j in range(0, len(shard), batch_size)]
     per_rank = math.ceil(math.ceil(len(eval_set) / world_size) / batch_size)
     batches += [[(0, False)]] * (per_rank - len(batches))
-    return DataLoader(_Marked(eval_set), batch_sampler=batches, collate_fn=collator)
+    return DataLoader(_Marked(eval_set), batch_sampler=batches, collate_fn=collator, **loading_kwargs)

@@ -73,10 +73,11 @@ def dist_env() -> DistEnv:
         if not 0 < port < 65536:
             raise ConfigError(f"MASTER_PORT={port} is not a port (1..65535)")
     if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPU(s): "
-                              "start at most one process per GPU (--nproc_per_node)")
-        device = torch.device("cuda", local_rank)
+        gpus = torch.cuda.device_count()
+        if local_rank >= gpus and not os.environ.get("DIST_BACKEND"):
+            raise ConfigError(f"LOCAL_RANK={local_rank} but this node has {gpus} GPU(s): start at most one "
+                              "process per GPU (--nproc_per_node), or share them with DIST_BACKEND=gloo")
+        device = torch.device("cuda", local_rank % gpus)
     else:
         device = torch.device("cpu")
     return DistEnv(rank, local_rank, world_size, local_world_size, device)
@@ -88,9 +89,11 @@ def init_distributed(env: DistEnv, rendezvous_timeout_s: float, collective_timeo
     `alone_too` (DeepSpeed needs a group, and without a launcher would look for MPI instead).
 
     Every entry point joins here, before Accelerate or the Trainer would (they use the group they
-    find). Waiting for the other processes ends after `rendezvous_timeout_s` with one line saying
-    what it waited for; a collective (all-reduce, barrier) waits at most `collective_timeout_s`, so
-    a process that stops answering fails the job instead of hanging it. The keys of this rendezvous
+    find). The environment variable DIST_BACKEND chooses another back end (gloo lets several ranks
+    share a GPU, local_rank % GPUs, as the GPU check does on one GPU). Waiting for the other
+    processes ends after `rendezvous_timeout_s` with one line saying what it waited for; a
+    collective (all-reduce, barrier) waits at most `collective_timeout_s`, so a process that stops
+    answering fails the job instead of hanging it. The keys of this rendezvous
     are prefixed with torchrun's restart count: a job that torchrun restarts (--max_restarts) after
     a crash may get the crashed attempt's store, whose stale process addresses would otherwise be
     read back (measured: gloo then fails to connect).
@@ -103,7 +106,8 @@ def init_distributed(env: DistEnv, rendezvous_timeout_s: float, collective_timeo
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                             ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
             os.environ.setdefault(name, value)
-    backend = "nccl" if env.device.type == "cuda" else "gloo"
+    # DIST_BACKEND overrides: nccl refuses two ranks on one GPU, gloo (slower) does not
+    backend = os.environ.get("DIST_BACKEND") or ("nccl" if env.device.type == "cuda" else "gloo")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
         store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size,

@@ -98,7 +98,7 @@ def training_step_peak(cfg: TrainConfig, model_config, size: int, device: torch.
     fresh model: parameters, gradients, optimizer state and activations (gradient checkpointing
     and mixed precision as configured). Raises torch.OutOfMemoryError where it does not fit."""
     model = build_model(cfg, model_config).to(device)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, device)
     batch = worst_case_batch(cfg, model_config, size, device)
     labels = batch.pop("labels")
 

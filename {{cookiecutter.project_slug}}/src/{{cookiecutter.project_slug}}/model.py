@@ -81,13 +81,15 @@ def model_config(cfg: TrainConfig, tokenizer, num_labels: int = 2):
 
 
 def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
-    """The model in fp32, initialised from `cfg.seed` (tiny) or the pretrained weights."""
+    """The model in fp32 with `attn_implementation` attention, initialised from `cfg.seed` (tiny)
+    or the pretrained weights."""
     auto = AutoModelForCausalLM if cfg.task == "causal_lm" else AutoModelForSequenceClassification
     torch.manual_seed(cfg.seed)
     if cfg.model_name_or_path == TINY:
-        model = auto.from_config(config, dtype=torch.float32)
+        model = auto.from_config(config, dtype=torch.float32, attn_implementation=cfg.attn_implementation)
     else:
-        model = auto.from_pretrained(cfg.model_name_or_path, config=config, dtype=torch.float32)
+        model = auto.from_pretrained(cfg.model_name_or_path, config=config, dtype=torch.float32,
+                                     attn_implementation=cfg.attn_implementation)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with DDP's no_sync and with unused parameters.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -21,10 +21,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer of `model`, which trains on `device` (where AdamW may use its fused kernel)."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.learning_rate)
+        fused = True if cfg.fused_adamw and device.type == "cuda" else None  # None: torch's own choice
+        return torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=fused)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.learning_rate, momentum=0.0)
     return Adafactor(groups, lr=cfg.learning_rate, scale_parameter=False, relative_step=False,

@@ -31,13 +31,14 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .coordination import check_back_end, check_launcher_env, deepspeed_config, deepspeed_config_path
-from .data import Collator, WindowSampler, eval_dataloader, train_dataloader
+from .data import Collator, WindowSampler, eval_dataloader, loading, train_dataloader
 from .distributed import DistEnv, PreemptionSignal, dist_env, init_distributed, print0
 from .errors import ConfigError, JobFailed, RunFinished
 from .memory import auto_micro_batch_size, check_auto_micro_batch
 from .model import load_tokenizer, model_config
 from .optim import total_steps
 from .prepare import prepare
+from .speed import compiled_graphs, flops_per_token, matmul_precision, peak_flops, set_tf32
 
 
 def make_output_dir(output_dir: str) -> None:
@@ -80,6 +81,9 @@ class Session:
     job_steps: int = 0  # optimizer steps taken by this job (a resumed job starts again at 0)
     stop_reason: str = ""
     nonfinite: list[int] = field(default_factory=list)  # the latest consecutive non-finite steps
+    flops_per_token: float = 0.0  # the model's training FLOPs per token (announce)
+    peak_flops: float = 0.0  # the device's peak FLOP/s; 0 where unknown (no mfu)
+    last_elapsed_s: float = 0.0
 
     @classmethod
     def start(cls, cfg: TrainConfig, entry: str, on_accelerate: bool) -> "Session":
@@ -122,10 +126,12 @@ class Session:
             plan = plan_batches(cfg.global_batch_size, micro_batch_size, env.world_size, chosen_by)
         check_launcher_env(plan)
         ds_config = deepspeed_config(cfg, plan) if on_accelerate else None
-        sampler = WindowSampler(len(data["train"]), plan, env.rank, cfg.seed)
+        sampler = WindowSampler(len(data["train"]), plan, env.rank, cfg.seed, min_rows=2 if cfg.compile else 1)
         start_step = int(state["step"]) if state else 0
+        set_tf32(cfg, env.device)
         return cls(cfg, env, entry, backend, plan, resume, tokenizer, config, data, prepared.folder, sampler,
-                   total_steps(cfg, sampler.steps_per_epoch), ds_config, PreemptionSignal(), start_step)
+                   total_steps(cfg, sampler.steps_per_epoch), ds_config, PreemptionSignal(), start_step,
+                   peak_flops=peak_flops(cfg, env.device))
 
     def init_distributed(self) -> None:
         """Join the process group (once; one process joins none, unless it runs DeepSpeed)."""
@@ -139,19 +145,32 @@ class Session:
                 "total_steps": self.total_steps, "num_train_examples": len(self.data["train"]),
                 "config": self.cfg.to_dict(), "versions": library_versions()}
 
-    def banner(self, entry: str, model) -> str:
+    def announce(self, entry: str, model) -> None:
+        """Print what this job trains and how (rank 0), and take the model's FLOPs per token for
+        the MFU of every step record."""
+        self.flops_per_token = flops_per_token(model, self.cfg.max_seq_len)
         examples = f"blocks of {self.cfg.max_seq_len} tokens" if self.cfg.packing else "examples"
-        return (f"{entry}: {self.cfg.task}, {sum(p.numel() for p in model.parameters()):,} parameters, "
-                f"{self.total_steps} optimizer steps ({self.sampler.steps_per_epoch} per epoch)"
-                + (f", resuming after step {self.start_step} from {self.resume}" if self.resume else "")
-                + f"\ndata: {len(self.data['train']):,} training {examples} from {self.data_folder}"
-                + "\n" + self.plan.table(self.cfg.max_seq_len))
+        print0(f"{entry}: {self.cfg.task}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+               f"{self.total_steps} optimizer steps ({self.sampler.steps_per_epoch} per epoch)"
+               + (f", resuming after step {self.start_step} from {self.resume}" if self.resume else "")
+               + f"\ndata: {len(self.data['train']):,} training {examples} from {self.data_folder}"
+               + f"\nspeed: {', '.join(self.levers())}" + "\n" + self.plan.table(self.cfg.max_seq_len))
+
+    def levers(self) -> list[str]:
+        cfg, cuda = self.cfg, self.env.device.type == "cuda"
+        return [f"compile {'on' if cfg.compile else 'off'}", f"{cfg.attn_implementation} attention",
+                f"matmuls in {matmul_precision(cfg, self.env.device)}",
+                *(["fused AdamW"] if cuda and cfg.fused_adamw and cfg.optimizer == "adamw" else []),
+                f"peak {self.peak_flops / 1e12:g} TFLOP/s per device" if self.peak_flops else "no known peak: no mfu"]
 
     def loaders(self):
+        """The training loader (this rank's windows) and the evaluation loader (its shard)."""
         collator = Collator(self.tokenizer, self.cfg.task)
-        train = train_dataloader(self.data["train"], self.sampler, collator)
+        cuda = self.env.device.type == "cuda"
+        workers = self.cfg.dataloader_workers if self.cfg.dataloader_workers >= 0 else (4 if cuda else 0)
+        train = train_dataloader(self.data["train"], self.sampler, collator, **loading(workers, cuda))
         evaluation = eval_dataloader(self.data["validation"], self.env.rank, self.env.world_size,
-                                     self.plan.micro_batch_size, collator)
+                                     self.plan.micro_batch_size, collator, **loading(workers, cuda))
         return train, evaluation
 
     def windows(self, loader) -> Iterator[tuple[int, list[dict]]]:
@@ -168,10 +187,18 @@ class Session:
                 yield step, window
 
     def record(self, step: int, values: dict, elapsed_s: float) -> dict:
-        """The metrics.jsonl object of an optimizer step."""
-        return {"step": step, **values, "world_size": self.env.world_size,
-                "grad_accum_steps": self.plan.grad_accum_steps,
-                "global_batch_size": self.plan.global_batch_size, "elapsed_s": round(elapsed_s, 3)}
+        """The metrics.jsonl object of an optimizer step, with its MFU where the peak is known:
+        model FLOPs of the step's real tokens over the step's time, over the peak of every device."""
+        seconds, self.last_elapsed_s = elapsed_s - self.last_elapsed_s, elapsed_s
+        record = {"step": step, **values, "world_size": self.env.world_size,
+                  "grad_accum_steps": self.plan.grad_accum_steps,
+                  "global_batch_size": self.plan.global_batch_size, "elapsed_s": round(elapsed_s, 3)}
+        if self.peak_flops and seconds > 0:
+            achieved = self.flops_per_token * values["tokens"] / seconds
+            record["mfu"] = round(achieved / (self.peak_flops * self.env.world_size), 4)
+        if self.cfg.compile:
+            record["compiled_graphs"] = compiled_graphs()
+        return record
 
     @property
     def final_dir(self) -> Path:

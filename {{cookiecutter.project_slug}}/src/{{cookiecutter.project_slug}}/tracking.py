@@ -25,7 +25,7 @@ from .config import TrainConfig
 from .distributed import DistEnv, print0
 
 TRAIN_KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-              "grad_sync_calls": "train/grad_sync_calls"}
+              "grad_sync_calls": "train/grad_sync_calls", "mfu": "train/mfu"}
 
 
 def _has_wandb_key() -> bool:
@@ -84,6 +84,8 @@ class Progress:
                  "grad_norm nan"]
         if seconds > 0:
             parts += [f"{_count(tokens / seconds)} tok/s", f"eta {_duration((self.total - step) * seconds / steps)}"]
+        if "mfu" in record:
+            parts.append(f"mfu {record['mfu']:.1%}")
         if "grad_sync_calls" in record:
             parts.append(f"syncs {record['grad_sync_calls']}")
         if record.get("step_skipped"):

@@ -32,15 +32,17 @@ from accelerate.utils import (
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
     GradScalerKwargs,
+    TorchDynamoPlugin,
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .config import TrainConfig, run_cli
-from .distributed import GradSyncCounter, all_reduce_sum, print0
+from .distributed import GradSyncCounter, all_reduce_sum
 from .evaluation import evaluate
 from .model import build_model, count_targets, summed_loss
 from .optim import build_optimizer, build_scheduler
 from .session import Session
+from .speed import COMPILE
 from .tracking import Tracker
 
 
@@ -58,7 +60,7 @@ def train_step(accelerator: Accelerator, model, window: list[dict], optimizer, l
     lr = optimizer.param_groups[0]["lr"]  # the lr this step applies (DeepSpeed steps inside backward)
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in window:
-        batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+        batch = {key: value.to(accelerator.device, non_blocking=True) for key, value in batch.items()}
         labels = batch.pop("labels")
         with accelerator.accumulate(model):
             logits = model(**batch).logits
@@ -95,7 +97,7 @@ def train(cfg: TrainConfig) -> None:
     session = Session.start(cfg, entry="accelerate", on_accelerate=True)  # every input check, before any waiting
     env = session.env
     model = build_model(cfg, session.model_config)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, env.device)
     lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps)
 
     on_cpu = env.device.type == "cpu"
@@ -110,24 +112,33 @@ def train(cfg: TrainConfig) -> None:
         mixed_precision=cfg.mixed_precision,
         step_scheduler_with_optimizer=False,
         log_with="wandb" if cfg.report_to == "wandb" else None,
-        kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb),
+        # no buffer broadcast in every forward (train_pytorch says why)
+        kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb, broadcast_buffers=False),
                          GradScalerKwargs(init_scale=cfg.fp16_init_scale)],
         deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=session.deepspeed) if session.deepspeed else None,
+        dynamo_plugin=TorchDynamoPlugin(**COMPILE) if cfg.compile else None,  # compiled in prepare()
     )
     if accelerator.process_index != env.rank:  # DeepSpeed on CPU (see the module docstring)
         PartialState().process_index = accelerator.state.process_index = env.rank
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
-    sync_counter = GradSyncCounter(model) if isinstance(model, DDP) else None
+    ddp = getattr(model, "_orig_mod", model)  # the DDP module inside a compiled one
+    sync_counter = GradSyncCounter(ddp) if isinstance(ddp, DDP) else None
     if session.resume is not None:
         accelerator.load_state(str(session.resume))
-    print0(session.banner("train_accelerate", model))
+    # keep_torch_compile=False: the default unwraps the DDP module inside a compiled model in place
+    # (Accelerate's extract_model_from_parallel), after which no_sync() no longer reaches it
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    session.announce("train_accelerate", unwrapped)
     train_loader, eval_loader = session.loaders()
     tracker = Tracker(session, accelerator)
-    unwrapped = accelerator.unwrap_model(model)
 
     def write_model(folder) -> None:
+        # the prepared model's state (under ZeRO-3 gathered, on the main process only: None elsewhere);
+        # torch.compile's wrapper prefixes its keys
+        state = accelerator.get_state_dict(model)
+        state = state and {key.removeprefix("_orig_mod."): value for key, value in state.items()}
         unwrapped.save_pretrained(folder, is_main_process=env.is_main_process, save_function=accelerator.save,
-                                  state_dict=accelerator.get_state_dict(model))
+                                  state_dict=state)
         if env.is_main_process:
             session.tokenizer.save_pretrained(folder)
 

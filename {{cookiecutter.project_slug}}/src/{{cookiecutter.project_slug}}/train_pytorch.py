@@ -29,17 +29,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import load_rng, save_rng
 from .config import TrainConfig, run_cli
-from .distributed import DistEnv, GradSyncCounter, all_reduce_sum, print0
+from .distributed import DistEnv, GradSyncCounter, all_reduce_sum
 from .evaluation import evaluate
 from .model import autocast_for, build_model, count_targets, summed_loss
 from .optim import build_optimizer, build_scheduler
 from .session import Session
+from .speed import COMPILE
 from .tracking import Tracker
 
 
-def train_step(ddp_model, window: list[dict], optimizer, lr_scheduler, scaler, cfg: TrainConfig,
+def train_step(ddp_model, forward, window: list[dict], optimizer, lr_scheduler, scaler, cfg: TrainConfig,
                env: DistEnv, autocast) -> dict:
-    """One optimizer step over this rank's micro-batches of the window.
+    """One optimizer step over this rank's micro-batches of the window; `forward` is ddp_model, or
+    its torch.compile'd self (the same module, so no_sync() on ddp_model holds for it).
 
     The slide's loop: the window is the slide's k micro-batches (k = grad_accum_steps, fewer in an
     epoch's short last window), and the slide's boundary test `(index + 1) % k == 0` is the
@@ -55,7 +57,7 @@ def train_step(ddp_model, window: list[dict], optimizer, lr_scheduler, scaler, c
         skip_sync = isinstance(ddp_model, DDP) and cfg.ddp_no_sync and not is_last
         with ddp_model.no_sync() if skip_sync else nullcontext():
             with autocast():
-                logits = ddp_model(**batch).logits
+                logits = forward(**batch).logits
             loss = summed_loss(logits, labels, cfg.task)
             # DDP averages over ranks, hence x world_size: the sum over the window and the ranks
             # is then the gradient of the global batch's mean loss.
@@ -93,7 +95,7 @@ def train(cfg: TrainConfig) -> None:
     session = Session.start(cfg, entry="pytorch", on_accelerate=False)  # every input check, before any waiting
     env = session.env
     model = build_model(cfg, session.model_config).to(env.device)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, env.device)
     lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps)
     scaler = torch.amp.GradScaler(env.device.type, init_scale=cfg.fp16_init_scale,
                                   enabled=cfg.mixed_precision == "fp16")
@@ -106,12 +108,16 @@ def train(cfg: TrainConfig) -> None:
         load_rng(session.resume, env.rank)
 
     session.init_distributed()
-    print0(session.banner("train_pytorch", model))
+    session.announce("train_pytorch", model)
     ddp_model, sync_counter = model, None
     if env.world_size > 1:
+        # broadcast_buffers=False: DDP would otherwise broadcast the model's buffers (the rotary
+        # embedding's constant inv_freq) in every forward, a collective per micro-step
         ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                        bucket_cap_mb=cfg.ddp_bucket_cap_mb)
+                        bucket_cap_mb=cfg.ddp_bucket_cap_mb, broadcast_buffers=False)
         sync_counter = GradSyncCounter(ddp_model)
+    # compiled around DDP, so that dynamo splits the graph at DDP's buckets (its DDPOptimizer)
+    forward = torch.compile(ddp_model, **COMPILE) if cfg.compile else ddp_model
     autocast = partial(autocast_for, cfg, env.device)
     train_loader, eval_loader = session.loaders()
     tracker = Tracker(session)
@@ -126,7 +132,7 @@ def train(cfg: TrainConfig) -> None:
     model.train()
     step = session.start_step
     for step, window in session.windows(train_loader):
-        values = train_step(ddp_model, window, optimizer, lr_scheduler, scaler, cfg, env, autocast)
+        values = train_step(ddp_model, forward, window, optimizer, lr_scheduler, scaler, cfg, env, autocast)
         session.log_step(step, values, tracker, sync_counter)
         if session.eval_due(step):
             tracker.log({"step": step, **evaluate(model, eval_loader, cfg.task, env.device, autocast)})

@@ -16,6 +16,7 @@ defaults that would make this loop train differently from the other two are repl
 trainer_adapters.py, each said there.
 """
 
+import os
 import shutil
 import traceback
 from functools import partial
@@ -26,11 +27,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .checkpoint import checkpoints_dir, complete_checkpoints
 from .config import TrainConfig, run_cli
-from .distributed import print0
 from .errors import JobFailed, first_line
 from .model import build_model
 from .optim import SCHEDULES
 from .session import Session
+from .speed import COMPILE
 from .tracking import Tracker
 from .trainer_adapters import RunRecorder, WindowLoss, WindowTrainer, compute_metrics, eval_summaries
 
@@ -64,9 +65,13 @@ def training_arguments(cfg: TrainConfig, session: Session) -> TrainingArguments:
         deepspeed=session.deepspeed,  # --deepspeed or the accelerate config's JSON, its "auto" keys filled
         average_tokens_across_devices=True,
         ddp_bucket_cap_mb=cfg.ddp_bucket_cap_mb,  # passed on to DDP as is, fractions included
+        ddp_broadcast_buffers=False,  # no buffer broadcast in every forward (train_pytorch says why)
         ddp_find_unused_parameters=False,  # every parameter is used; DDP as the other entry points build it
         accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": not cfg.ddp_no_sync}},
         disable_tqdm=True,
+        logging_nan_inf_filter=False,  # its per-micro-step isnan() waits for the device; RunRecorder checks once
+        torch_compile=cfg.compile,  # Accelerate's dynamo plugin, as train_accelerate (dynamic: train() sets it)
+        torch_compile_backend=COMPILE["backend"] if cfg.compile else None,
         remove_unused_columns=False,
         use_cpu=session.env.device.type == "cpu",
     )
@@ -80,10 +85,12 @@ def train(cfg: TrainConfig) -> None:
         load_model(model, str(session.resume / "model.safetensors"))
         session.save_model(session.start_step, model)
         return session.done(session.start_step)
-    print0(session.banner("train_trainer", model))
+    session.announce("train_trainer", model)
     train_loader, _ = session.loaders()
     tracker = Tracker(session)
 
+    if cfg.compile:  # the Trainer's dynamo plugin reads Accelerate's variable for dynamic shapes
+        os.environ["ACCELERATE_DYNAMO_USE_DYNAMIC"] = str(COMPILE["dynamic"]).lower()
     args = training_arguments(cfg, session)
     loss = WindowLoss(cfg.task)
     trainer = WindowTrainer(

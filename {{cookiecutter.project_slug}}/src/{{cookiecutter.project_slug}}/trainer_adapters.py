@@ -24,7 +24,7 @@ from .optim import build_optimizer, build_scheduler
 
 
 class WindowTrainer(Trainer):
-    """The Trainer with four of its defaults replaced:
+    """The Trainer with five of its defaults replaced:
 
     - `get_train_dataloader` returns the project's window loader instead of the Trainer's own
       sampler over the dataset, whose order depends on the world size: every entry point then sees
@@ -33,7 +33,9 @@ class WindowTrainer(Trainer):
       Trainer builds from TrainingArguments (with DeepSpeed it would ignore an optimizer passed in);
     - the fp16 loss scaler starts at `fp16_init_scale` (Accelerate's default is 2**16), set through
       the scaler's own state, which a resumed checkpoint then overwrites;
-    - the Trainer's per-step dict on the console gives way to the project's progress line.
+    - the Trainer's per-step dict on the console gives way to the project's progress line;
+    - `floating_point_ops` (the documented hook) returns 0: the Trainer's own FLOP count walks the
+      model's parameters on every micro-step; the project counts FLOPs once (speed.flops_per_token).
     """
 
     def __init__(self, *args, session, train_loader, **kwargs):
@@ -47,9 +49,12 @@ class WindowTrainer(Trainer):
     def get_train_dataloader(self):
         return self.train_loader
 
+    def floating_point_ops(self, inputs) -> int:
+        return 0
+
     def create_optimizer(self, model=None):
         if self.optimizer is None:
-            self.optimizer = build_optimizer(model or self.model, self.session.cfg)
+            self.optimizer = build_optimizer(model or self.model, self.session.cfg, self.session.env.device)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -107,8 +112,9 @@ class RunRecorder(TrainerCallback):
         self.stopped = False
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if isinstance(self.trainer.model_wrapped, DDP):
-            self.sync_counter = GradSyncCounter(self.trainer.model_wrapped)
+        ddp = getattr(self.trainer.model_wrapped, "_orig_mod", self.trainer.model_wrapped)  # inside a compiled one
+        if isinstance(ddp, DDP):
+            self.sync_counter = GradSyncCounter(ddp)
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # The epoch's permutation; set here because a resumed epoch's loader is a skipping copy.

@@ -1,0 +1,87 @@
+"""The speed levers every fast PyTorch loop turns on, and the figures that say how fast it is.
+
+Levers (one config key each; all three entry points, each through its library's own switch):
+- `compile`: torch.compile of the model (train_pytorch compiles the DDP-wrapped model, so that
+  dynamo splits its graph at DDP's buckets; Accelerate through its dynamo plugin; the Trainer
+  through TrainingArguments.torch_compile and Accelerate's ACCELERATE_DYNAMO_USE_DYNAMIC). With
+  dynamic shapes from the first compile: one graph serves every padded length and micro-batch
+  size (a short last window, a filler micro-batch), and no_sync() between micro-steps changes no
+  guard, so nothing recompiles after the first step (`compiled_graphs` in each record says so);
+- `tf32`: TF32 matmuls and convolutions on CUDA (on by default; fp32 stays fp32 on CPU);
+- `fused_adamw`: the fused CUDA AdamW kernel (optim.py);
+- `attn_implementation`: SDPA attention (model.py);
+- `dataloader_workers`: workers that collate the next micro-batches while the device computes,
+  pinned memory and non-blocking copies on CUDA (data.py).
+
+Figures: model FLOPs per token as nanoGPT and PaLM count them (6N for the weights, forward and
+backward, plus 12·L·H·Q·T for attention), times tokens per second, over the device's peak: the
+model FLOPs utilisation (`mfu`) of every step record, where the peak is known.
+"""
+
+import torch
+
+from .config import TrainConfig
+
+COMPILE = {"backend": "inductor", "dynamic": True}  # torch.compile's arguments, in every entry point
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (a recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+# Dense peak FLOP/s per GPU, by a substring of torch.cuda.get_device_name() and the precision the
+# matmuls run in (vendors' data sheets, without sparsity). Unknown devices (and the CPU) have none:
+# give --peak_tflops.
+PEAK_TFLOPS = {
+    "H200": {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67},
+    "H100 PCIe": {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51},
+    "H100": {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67},
+    "A100": {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5},
+    "L40S": {"bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6},
+    "A10": {"bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2},
+    "L4": {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30},
+    "RTX 4090": {"bf16": 165, "fp16": 165, "tf32": 82.6, "fp32": 82.6},
+    "V100": {"fp16": 125, "fp32": 15.7},
+    "T4": {"fp16": 65, "fp32": 8.1},
+}
+
+
+def set_tf32(cfg: TrainConfig, device: torch.device) -> None:
+    """TF32 matmuls on CUDA when cfg.tf32 (their mantissa has 10 bits: fp32 ranges, faster)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
+
+
+def matmul_precision(cfg: TrainConfig, device: torch.device) -> str:
+    if cfg.mixed_precision != "no":
+        return cfg.mixed_precision
+    return "tf32" if device.type == "cuda" and cfg.tf32 else "fp32"
+
+
+def peak_flops(cfg: TrainConfig, device: torch.device) -> float:
+    """The device's peak FLOP/s for this run's precision; 0 where unknown (the CPU)."""
+    if cfg.peak_tflops:
+        return cfg.peak_tflops * 1e12
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    table = next((peaks for key, peaks in PEAK_TFLOPS.items() if key in name), {})
+    return table.get(matmul_precision(cfg, device), 0) * 1e12
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per weight (2 forward, 4 backward), not counting the input
+    embedding (a lookup), plus attention's 12·L·H·Q·T (layers, heads, head dim, sequence length),
+    as nanoGPT's estimate_mfu and the PaLM paper count them."""
+    config = model.config
+    embedding = model.get_input_embeddings().weight
+    weights = sum(p.numel() for p in model.parameters()) - embedding.numel()
+    if getattr(config, "tie_word_embeddings", False):
+        weights += embedding.numel()  # the tied output projection is a real matmul
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 6 * weights + 12 * layers * heads * head_dim * seq_len

@@ -1,0 +1,93 @@
+"""The speed levers with accumulation: torch.compile trains as eager does, still all-reduces once
+per bucket per optimizer step, and compiles once (no_sync() toggling, padded lengths, a short
+last window and a filler micro-batch recompile nothing); and the MFU every record carries."""
+
+import pytest
+import torch
+
+from {{ cookiecutter.project_slug }}.config import load_config
+from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
+from {{ cookiecutter.project_slug }}.speed import PEAK_TFLOPS, flops_per_token, peak_flops
+
+from conftest import (
+    ACCUM,
+    ENTRIES,
+    ROOT,
+    TOL,
+    cell,
+    max_abs_diff,
+    max_loss_diff,
+    report,
+    run_entry,
+    short_windows,
+)
+
+CONFIG = str(ROOT / "configs" / "train.yaml")
+
+
+# 1 MiB DDP buckets: torch.compile's DDPOptimizer refuses smaller ones (the tiny model's gradient then
+# fills one bucket: "once per optimizer step" is one all-reduce, not one per micro-step)
+COMPILED = {**ACCUM, "ddp_bucket_cap_mb": 1, "compile": "true"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_compiled_training_is_eager_training(runs, entry):
+    """Compiled at 2 processes x 4 micro-steps against the eager big batch (the parity matrix's
+    1x1 reference, one process, 16 examples per micro-step: compile and accumulation together)."""
+    compiled, eager = runs(entry, 2, **COMPILED), cell(runs, entry, 1, 1)
+    assert [r["grad_sync_calls"] for r in compiled.steps] == [1] * 8  # one bucket, once per optimizer step
+    graphs = [r["compiled_graphs"] for r in compiled.steps]
+    assert graphs[0] >= 1 and len(set(graphs)) == 1, graphs  # compiled at step 1, never again
+    param_diff, loss_diff = max_abs_diff(compiled.params(), eager.params()), max_loss_diff(compiled, eager)
+    report(f"compile ({entry}, 2 x 4 vs eager 1 x 1): max |param diff| {param_diff:.3g}, max |loss diff| "
+           f"{loss_diff:.3g}; graphs per step {graphs}; all-reduces per step "
+           f"{[r['grad_sync_calls'] for r in compiled.steps]}")
+    assert param_diff <= TOL.param and loss_diff <= TOL.loss
+
+
+@pytest.mark.slow
+def test_a_short_last_window_and_a_filler_recompile_nothing(runs, small_dataset):
+    """37 examples in windows of 16, 16 and 5: the short one has 2 micro-steps, one of them a
+    filler on one rank (1 example), other sizes than the full windows' 2 x 2 examples. Against the
+    eager big batch of test_parity's short-window test."""
+    compiled = runs(ENTRIES[0], 2, micro_batch_size=2, compile="true", ddp_bucket_cap_mb=1,
+                    **short_windows(small_dataset))
+    assert [r["micro_steps"] for r in compiled.steps] == [4, 4, 2] * 2
+    graphs = [r["compiled_graphs"] for r in compiled.steps]
+    assert len(set(graphs)) == 1, graphs
+    eager = runs(ENTRIES[0], 1, micro_batch_size=16, **short_windows(small_dataset))
+    assert max_abs_diff(compiled.params(), eager.params()) <= TOL.param
+
+
+def test_flops_per_token_counts_weights_and_attention():
+    cfg = load_config(["--config", CONFIG, "--task", "causal_lm"])
+    model = build_model(cfg, model_config(cfg, load_tokenizer(cfg)))
+    config = model.config
+    # every weight but the input embedding (which the tied output projection counts back)
+    weights = sum(p.numel() for p in model.parameters())
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * 64
+    assert flops_per_token(model, 64) == 6 * weights + attention
+
+
+def test_the_peak_comes_from_the_table_or_the_flag(monkeypatch):
+    cfg = load_config(["--config", CONFIG, "--mixed_precision", "bf16"])
+    assert peak_flops(cfg, torch.device("cpu")) == 0  # no mfu on CPU unless given
+    assert peak_flops(load_config(["--config", CONFIG, "--peak_tflops", "2.5"]), torch.device("cpu")) == 2.5e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert peak_flops(cfg, torch.device("cuda", 0)) == PEAK_TFLOPS["H100"]["bf16"] * 1e12
+    fp32 = load_config(["--config", CONFIG])
+    assert peak_flops(fp32, torch.device("cuda", 0)) == PEAK_TFLOPS["H100"]["tf32"] * 1e12  # TF32 on by default
+
+
+def test_every_record_carries_its_mfu_where_the_peak_is_known(env, tmp_path):
+    run = run_entry(ENTRIES[0], 1, tmp_path / "out", env, {**ACCUM, "max_steps": 3, "peak_tflops": 0.01})
+    assert run.returncode == 0, run.stderr[-3000:]
+    cfg = load_config(["--config", CONFIG, "--max_seq_len", "48", "--task", "causal_lm"])
+    per_token = flops_per_token(build_model(cfg, model_config(cfg, load_tokenizer(cfg))), 48)
+    previous = 0.0
+    for record in run.steps:
+        seconds, previous = record["elapsed_s"] - previous, record["elapsed_s"]
+        assert record["mfu"] == pytest.approx(per_token * record["tokens"] / seconds / 1e10, rel=0.02)
+    (last,) = [line for line in run.stdout.splitlines() if line.startswith("step 3/3 ")]
+    assert " | mfu " in last  # the progress line shows it too
