@@ -58,8 +58,9 @@ def launch(project: Path, corpus: Path, cache: Path | None, out: Path) -> dict:
     script = out / "peak_rss.py"
     script.write_text(PEAK_RSS)
     flags = ["--dataset", str(corpus), "--max_steps", str(STEPS), "--report_to", "none", "--eval_every", "1000",
-             "--log_every", "1000", "--output_dir", str(out / "run")]
-    flags += ["--data_cache_dir", str(cache)] if cache else []  # a baseline of another commit may lack the key
+             "--output_dir", str(out / "run")]
+    # a baseline of an older commit may lack these keys
+    flags += ["--data_cache_dir", str(cache), "--log_every", "1000"] if cache else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(script), f"{SLUG}.train_pytorch", *flags]
     env = {**subprocess_env(), "PYTHONPATH": str(project / "src"), "PEAK_RSS_DIR": str(out / "rss")}
