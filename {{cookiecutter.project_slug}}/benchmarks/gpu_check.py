@@ -94,10 +94,10 @@ def memory_rows() -> list[dict]:
     return rows
 
 
-def auto_micro_batch(tmp: Path, cache: Path) -> str:
+def auto_micro_batch(tmp: Path, cache: Path, corpus: Path) -> str:
     """What --micro_batch_size auto chose on this GPU, with no budget (a real CUDA OOM decides)."""
     run(f"{SLUG}.train_pytorch", {**GPT2, "max_steps": 1, "global_batch_size": 256, "micro_batch_size": "auto",
-                                  "data_cache_dir": cache}, tmp / "auto")
+                                  "data_cache_dir": cache, "dataset": corpus}, tmp / "auto")
     return next(line.strip() for line in (tmp / "auto" / "log.txt").read_text().splitlines() if "(auto:" in line)
 
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         cache, corpus = tmp / "data_cache", tmp / "corpus"
         write_corpus(corpus, 60_000)  # about 4M tokens: 4k packed blocks of 1024, more than the steps take
         result = {"machine": machine(), "steps": steps, "speed": speed_rows(steps, tmp, cache, corpus),
-                  "memory": memory_rows(), "auto_micro_batch": auto_micro_batch(tmp, cache),
+                  "memory": memory_rows(), "auto_micro_batch": auto_micro_batch(tmp, cache, corpus),
                   "two_ranks_on_one_gpu": two_ranks_on_one_gpu(tmp, cache)}
     out = args.results.parent
     out.mkdir(parents=True, exist_ok=True)
