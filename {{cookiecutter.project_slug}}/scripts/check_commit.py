@@ -14,7 +14,7 @@ from pathlib import Path
 
 # what a training run writes: never source (runs/ holds checkpoints, wandb/ offline runs and keys' traces)
 RUN_FOLDERS = ("runs", "wandb", "data_cache", "bench/models", ".venv")
-RUN_FILES = (".netrc", "training_state.pt", "model.safetensors")
+RUN_FILES = ("training_state.pt", "model.safetensors")
 # a W&B API key (40 hex digits, or a newer prefixed one) given to a key-like name
 KEY = re.compile(r"(?i)(wandb_api_key|api_key|wandb\.login\s*\(\s*key)\s*[=:,]?\s*[\"']?([a-z]+-)?[0-9a-f]{40}")
 
@@ -26,6 +26,8 @@ def problem(path: Path, max_bytes: int) -> str | None:
         return f"{path}: inside {folder}/, which a run writes (see .gitignore)"
     if path.name in RUN_FILES:
         return f"{path}: a run's file ({path.name})"
+    if path.name == ".netrc":
+        return f"{path}: a .netrc holds credentials (`wandb login` writes its API key there)"
     if not path.is_file():
         return None
     size = path.stat().st_size
