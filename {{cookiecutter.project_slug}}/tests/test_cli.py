@@ -29,6 +29,8 @@ def bad_inputs(tmp_path):
         (["--model_name_or_path", "no-such-org/no-such-model"], "cannot load model 'no-such-org/no-such-model'"),
         (["--global_batch_size", "10", "--micro_batch_size", "4"],
          "global_batch_size 10 is not divisible by micro_batch_size 4 x world_size 1 = 4"),
+        (["--attn_implementation", "flash_attention_2"],
+         "attn_implementation flash_attention_2 needs a CUDA GPU and the flash-attn package"),
     ]
 
 
