@@ -11,13 +11,12 @@ second and MFU compare one to one with the entry points'.
 import json
 import math
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from {{ cookiecutter.project_slug }}.config import TrainConfig, run_cli
-from {{ cookiecutter.project_slug }}.model import AMP_DTYPES, build_model, count_targets, summed_loss
+from {{ cookiecutter.project_slug }}.model import autocast_for, build_model, count_targets, summed_loss
 from {{ cookiecutter.project_slug }}.optim import build_optimizer, build_scheduler
 from {{ cookiecutter.project_slug }}.session import Session
 
@@ -29,8 +28,7 @@ def train(cfg: TrainConfig) -> None:
     optimizer = build_optimizer(model, cfg, device)  # fused AdamW on CUDA
     lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps)
     forward = torch.compile(model) if cfg.compile else model
-    ctx = torch.autocast(device.type, dtype=AMP_DTYPES[cfg.mixed_precision]) if cfg.mixed_precision != "no" \
-        else nullcontext()
+    ctx = autocast_for(cfg, device)  # bf16 autocast (nanoGPT's ctx), or none in fp32
     train_loader, _ = session.loaders()
     records, start = [], time.perf_counter()
     for step, window in session.windows(train_loader):
@@ -38,10 +36,11 @@ def train(cfg: TrainConfig) -> None:
         for micro_batch in window:
             batch = {k: v.to(device, non_blocking=True) for k, v in micro_batch.items()}
             labels = batch.pop("labels")
-            tokens += count_targets(micro_batch["labels"], cfg.task)
+            targets = count_targets(micro_batch["labels"], cfg.task)
+            tokens += targets
             with ctx:
                 logits = forward(**batch).logits
-            loss = summed_loss(logits, labels, cfg.task) / max(count_targets(micro_batch["labels"], cfg.task), 1)
+            loss = summed_loss(logits, labels, cfg.task) / max(targets, 1)
             (loss / len(window)).backward()  # nanoGPT: the mean of the micro-steps' means
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
         optimizer.step()

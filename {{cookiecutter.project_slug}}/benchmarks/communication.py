@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from {{ cookiecutter.project_slug }}.config import load_config
-from {{ cookiecutter.project_slug }}.distributed import GradSyncCounter, cleanup, dist_env, init_distributed
+from {{ cookiecutter.project_slug }}.distributed import GradSyncCounter, cleanup, dist_env, init_distributed, wrap_ddp
 from {{ cookiecutter.project_slug }}.memory import worst_case_batch
 from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
 from {{ cookiecutter.project_slug }}.optim import build_optimizer
@@ -48,8 +47,7 @@ WARMUP_STEPS, MEASURED_STEPS = 2, 10
 
 def measure(model, cfg, env, config, grad_accum_steps: int, no_sync: bool, steps: int) -> dict:
     """All-reduce calls, bytes and median seconds per optimizer step of one variant, on this rank."""
-    ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                    bucket_cap_mb=cfg.ddp_bucket_cap_mb)
+    ddp_model = wrap_ddp(model, env, cfg.ddp_bucket_cap_mb)  # as train_pytorch wraps it
     counter = GradSyncCounter(ddp_model)
     optimizer = build_optimizer(model, cfg, env.device)
     window = [worst_case_batch(cfg, config, cfg.micro_batch_size, env.device)] * grad_accum_steps

@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from .errors import ConfigError, JobFailed, first_line
@@ -193,6 +194,21 @@ def print0(text: str) -> None:
     if os.environ.get("RANK", "0") in ("0", ""):
         tqdm.write(text, file=sys.stdout)
         sys.stdout.flush()
+
+
+def wrap_ddp(model: torch.nn.Module, env: DistEnv, bucket_cap_mb: float) -> DDP:
+    """`model` in DistributedDataParallel as every DDP run here has it. broadcast_buffers=False:
+    DDP would otherwise broadcast the model's buffers (the rotary embedding's constant inv_freq)
+    in every forward, a collective per micro-step."""
+    return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+               bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False)
+
+
+def sync_counter_for(model) -> "GradSyncCounter | None":
+    """A GradSyncCounter on the DDP module of a prepared model (or of the torch.compile wrapper
+    around it); None when the model is not in DDP (one process, DeepSpeed)."""
+    ddp = getattr(model, "_orig_mod", model)
+    return GradSyncCounter(ddp) if isinstance(ddp, DDP) else None
 
 
 class GradSyncCounter:

@@ -34,10 +34,9 @@ from accelerate.utils import (
     GradScalerKwargs,
     TorchDynamoPlugin,
 )
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .config import TrainConfig, run_cli
-from .distributed import GradSyncCounter, all_reduce_sum
+from .distributed import all_reduce_sum, sync_counter_for
 from .evaluation import evaluate
 from .model import build_model, count_targets, summed_loss
 from .optim import build_optimizer, build_scheduler
@@ -112,7 +111,7 @@ def train(cfg: TrainConfig) -> None:
         mixed_precision=cfg.mixed_precision,
         step_scheduler_with_optimizer=False,
         log_with="wandb" if cfg.report_to == "wandb" else None,
-        # no buffer broadcast in every forward (train_pytorch says why)
+        # no buffer broadcast in every forward (distributed.wrap_ddp says why)
         kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb, broadcast_buffers=False),
                          GradScalerKwargs(init_scale=cfg.fp16_init_scale)],
         deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=session.deepspeed) if session.deepspeed else None,
@@ -121,8 +120,7 @@ def train(cfg: TrainConfig) -> None:
     if accelerator.process_index != env.rank:  # DeepSpeed on CPU (see the module docstring)
         PartialState().process_index = accelerator.state.process_index = env.rank
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
-    ddp = getattr(model, "_orig_mod", model)  # the DDP module inside a compiled one
-    sync_counter = GradSyncCounter(ddp) if isinstance(ddp, DDP) else None
+    sync_counter = sync_counter_for(model)
     if session.resume is not None:
         accelerator.load_state(str(session.resume))
     # keep_torch_compile=False: the default unwraps the DDP module inside a compiled model in place

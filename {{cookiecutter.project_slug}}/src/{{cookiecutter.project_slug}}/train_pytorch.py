@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import load_rng, save_rng
 from .config import TrainConfig, run_cli
-from .distributed import DistEnv, GradSyncCounter, all_reduce_sum
+from .distributed import DistEnv, GradSyncCounter, all_reduce_sum, wrap_ddp
 from .evaluation import evaluate
 from .model import autocast_for, build_model, count_targets, summed_loss
 from .optim import build_optimizer, build_scheduler
@@ -111,10 +111,7 @@ def train(cfg: TrainConfig) -> None:
     session.announce("train_pytorch", model)
     ddp_model, sync_counter = model, None
     if env.world_size > 1:
-        # broadcast_buffers=False: DDP would otherwise broadcast the model's buffers (the rotary
-        # embedding's constant inv_freq) in every forward, a collective per micro-step
-        ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                        bucket_cap_mb=cfg.ddp_bucket_cap_mb, broadcast_buffers=False)
+        ddp_model = wrap_ddp(model, env, cfg.ddp_bucket_cap_mb)
         sync_counter = GradSyncCounter(ddp_model)
     # compiled around DDP, so that dynamo splits the graph at DDP's buckets (its DDPOptimizer)
     forward = torch.compile(ddp_model, **COMPILE) if cfg.compile else ddp_model

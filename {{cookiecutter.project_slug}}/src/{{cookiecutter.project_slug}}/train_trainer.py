@@ -65,7 +65,7 @@ def training_arguments(cfg: TrainConfig, session: Session) -> TrainingArguments:
         deepspeed=session.deepspeed,  # --deepspeed or the accelerate config's JSON, its "auto" keys filled
         average_tokens_across_devices=True,
         ddp_bucket_cap_mb=cfg.ddp_bucket_cap_mb,  # passed on to DDP as is, fractions included
-        ddp_broadcast_buffers=False,  # no buffer broadcast in every forward (train_pytorch says why)
+        ddp_broadcast_buffers=False,  # no buffer broadcast in every forward (distributed.wrap_ddp says why)
         ddp_find_unused_parameters=False,  # every parameter is used; DDP as the other entry points build it
         accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": not cfg.ddp_no_sync}},
         disable_tqdm=True,

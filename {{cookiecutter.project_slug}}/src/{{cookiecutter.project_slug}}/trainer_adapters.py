@@ -12,12 +12,11 @@ import math
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import PrinterCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .checkpoint import checkpoints_dir, publish
-from .distributed import GradSyncCounter, all_reduce_sum
+from .distributed import all_reduce_sum, sync_counter_for
 from .evaluation import classification_metrics, confusion_matrix
 from .model import count_targets, summed_loss
 from .optim import build_optimizer, build_scheduler
@@ -112,9 +111,7 @@ class RunRecorder(TrainerCallback):
         self.stopped = False
 
     def on_train_begin(self, args, state, control, **kwargs):
-        ddp = getattr(self.trainer.model_wrapped, "_orig_mod", self.trainer.model_wrapped)  # inside a compiled one
-        if isinstance(ddp, DDP):
-            self.sync_counter = GradSyncCounter(ddp)
+        self.sync_counter = sync_counter_for(self.trainer.model_wrapped)
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # The epoch's permutation; set here because a resumed epoch's loader is a skipping copy.
