@@ -70,6 +70,17 @@ def test_flops_per_token_counts_weights_and_attention():
     assert flops_per_token(model, 64) == 6 * weights + attention
 
 
+def test_flops_per_token_counts_parameters_that_zero3_partitioned():
+    """Under ZeRO-3 a parameter's local tensor is empty and DeepSpeed keeps its size in ds_numel."""
+    cfg = load_config(["--config", CONFIG, "--task", "causal_lm"])
+    model = build_model(cfg, model_config(cfg, load_tokenizer(cfg)))
+    whole = flops_per_token(model, 64)
+    for parameter in model.parameters():
+        parameter.ds_numel = parameter.numel()
+        parameter.data = torch.empty(0)
+    assert flops_per_token(model, 64) == whole
+
+
 def test_the_peak_comes_from_the_table_or_the_flag(monkeypatch):
     cfg = load_config(["--config", CONFIG, "--mixed_precision", "bf16"])
     assert peak_flops(cfg, torch.device("cpu")) == 0  # no mfu on CPU unless given

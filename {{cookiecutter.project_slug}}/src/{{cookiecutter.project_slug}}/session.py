@@ -38,7 +38,7 @@ from .memory import auto_micro_batch_size, check_auto_micro_batch
 from .model import load_tokenizer, model_config
 from .optim import total_steps
 from .prepare import prepare
-from .speed import compiled_graphs, flops_per_token, matmul_precision, peak_flops, set_tf32
+from .speed import compiled_graphs, flops_per_token, matmul_precision, numel, peak_flops, set_tf32
 
 
 def make_output_dir(output_dir: str) -> None:
@@ -150,7 +150,7 @@ class Session:
         the MFU of every step record."""
         self.flops_per_token = flops_per_token(model, self.cfg.max_seq_len)
         examples = f"blocks of {self.cfg.max_seq_len} tokens" if self.cfg.packing else "examples"
-        print0(f"{entry}: {self.cfg.task}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+        print0(f"{entry}: {self.cfg.task}, {sum(map(numel, model.parameters())):,} parameters, "
                f"{self.total_steps} optimizer steps ({self.sampler.steps_per_epoch} per epoch)"
                + (f", resuming after step {self.start_step} from {self.resume}" if self.resume else "")
                + f"\ndata: {len(self.data['train']):,} training {examples} from {self.data_folder}"

@@ -73,15 +73,20 @@ def peak_flops(cfg: TrainConfig, device: torch.device) -> float:
     return table.get(matmul_precision(cfg, device), 0) * 1e12
 
 
+def numel(parameter: torch.nn.Parameter) -> int:
+    """A parameter's size, also where ZeRO-3 has partitioned it (its local tensor is then empty)."""
+    return getattr(parameter, "ds_numel", None) or parameter.numel()
+
+
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """Training FLOPs per token: 6 per weight (2 forward, 4 backward), not counting the input
     embedding (a lookup), plus attention's 12·L·H·Q·T (layers, heads, head dim, sequence length),
     as nanoGPT's estimate_mfu and the PaLM paper count them."""
     config = model.config
     embedding = model.get_input_embeddings().weight
-    weights = sum(p.numel() for p in model.parameters()) - embedding.numel()
+    weights = sum(map(numel, model.parameters())) - numel(embedding)
     if getattr(config, "tie_word_embeddings", False):
-        weights += embedding.numel()  # the tied output projection is a real matmul
+        weights += numel(embedding)  # the tied output projection is a real matmul
     layers, heads = config.num_hidden_layers, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 6 * weights + 12 * layers * heads * head_dim * seq_len
