@@ -47,7 +47,7 @@ class Interleaver:
         if self.bare is None:
             model = build_model(session.cfg, session.model_config).to(session.env.device)
             optimizer = build_optimizer(model, session.cfg, session.env.device)
-            self.bare = model, optimizer, build_scheduler(optimizer, session.cfg, session.total_steps)
+            self.bare = model, optimizer, build_scheduler(optimizer, session.cfg, session.total_steps, session.plan)
         model, optimizer, lr_scheduler = self.bare
         start = time.process_time()
         optimizer_step(model, window, optimizer, session.cfg, session.env.device)

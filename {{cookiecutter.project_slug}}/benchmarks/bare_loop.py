@@ -26,7 +26,7 @@ def train(cfg: TrainConfig) -> None:
     device = session.env.device
     model = build_model(cfg, session.model_config).to(device)
     optimizer = build_optimizer(model, cfg, device)  # fused AdamW on CUDA
-    lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps)
+    lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps, session.plan)
     forward = torch.compile(model) if cfg.compile else model
     ctx = autocast_for(cfg, device)  # bf16 autocast (nanoGPT's ctx), or none in fp32
     train_loader, _ = session.loaders()

@@ -4,7 +4,9 @@ and the time of each step.
 
 Goal: with no_sync, exactly one gradient's worth of bytes per optimizer step whatever k is;
 without it, k times that. The counts come from `distributed.GradSyncCounter`, a DDP
-communication hook that sees every bucket DDP sends. Each variant warms up for 2 optimizer steps
+communication hook that sees every bucket DDP sends. Also measured: what the gradient noise
+scale's statistics (read in that hook) cost per optimizer step (goal: under 2 %), steps with and
+without them alternating (ABAB). Each variant warms up for 2 optimizer steps
 first (DDP lays its buckets out again after the first), then counts the next ones. One command
 runs every variant: it starts the 2 processes itself (gloo on 127.0.0.1 on CPU; nccl where there
 are 2 GPUs). Micro-batches: the worst case, max_seq_len real tokens each.
@@ -26,6 +28,7 @@ from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.distributed import GradSyncCounter, cleanup, dist_env, init_distributed, wrap_ddp
 from {{ cookiecutter.project_slug }}.memory import worst_case_batch
 from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
+from {{ cookiecutter.project_slug }}.noise import NoiseScale
 from {{ cookiecutter.project_slug }}.optim import build_optimizer
 
 from .common import (
@@ -43,6 +46,7 @@ from .common import (
 
 WORLD_SIZE = 2
 WARMUP_STEPS, MEASURED_STEPS = 2, 10
+NOISE_PAIRS = 40
 
 
 def measure(model, cfg, env, config, grad_accum_steps: int, no_sync: bool, steps: int) -> dict:
@@ -64,6 +68,29 @@ def measure(model, cfg, env, config, grad_accum_steps: int, no_sync: bool, steps
             "step_s": round(statistics.median(seconds), 5)}
 
 
+def noise_cost(model, cfg, env, config, pairs: int) -> dict:
+    """What the gradient noise scale costs: optimizer steps of 4 micro-steps (no_sync), alternately
+    with and without its statistics (the hook's two squared norms per bucket, then
+    noise.NoiseScale's all-reduce and estimate), ABAB so that drift hits both alike; median seconds."""
+    ddp_model = wrap_ddp(model, env, cfg.ddp_bucket_cap_mb)
+    counter, noise = GradSyncCounter(ddp_model), NoiseScale()
+    optimizer = build_optimizer(model, cfg, env.device)
+    window = [worst_case_batch(cfg, config, cfg.micro_batch_size, env.device)] * 4
+    for _ in range(WARMUP_STEPS):
+        optimizer_step(ddp_model, window, optimizer, cfg, env.device)
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(2 * pairs):
+        counter.noise = on = i % 2 == 0
+        start = clock(env.device)
+        optimizer_step(ddp_model, window, optimizer, cfg, env.device)
+        if on:
+            noise.update(*counter.take_norms(), cfg.micro_batch_size * len(window) * WORLD_SIZE, WORLD_SIZE)
+        seconds[on].append(clock(env.device) - start)
+    with_it, without = statistics.median(seconds[True]), statistics.median(seconds[False])
+    return {"grad_accum_steps": len(window), "with_s": round(with_it, 5), "without_s": round(without, 5),
+            "cost": round(with_it / without - 1, 4), "pairs": pairs}
+
+
 def worker(rank: int, port: int, flags: list[str], variants: list[tuple[int, bool]], steps: int, out: str) -> None:
     """One of the 2 processes: every variant in turn, each on a fresh model; rank 0 writes the rows
     and the settings. Loopback and, as torchrun does, one CPU thread per process unless set."""
@@ -81,13 +108,14 @@ def worker(rank: int, port: int, flags: list[str], variants: list[tuple[int, boo
     for k, no_sync in variants:
         model = build_model(cfg, config).to(env.device)
         rows.append(measure(model, cfg, env, config, k, no_sync, steps))
+    noise = noise_cost(build_model(cfg, config).to(env.device), cfg, env, config, NOISE_PAIRS if steps > 1 else 2)
     if env.is_main_process:
         settings = {"device": str(env.device), "backend": torch.distributed.get_backend(),
                     "world_size": WORLD_SIZE, "micro_batch_size": cfg.micro_batch_size,
                     "max_seq_len": cfg.max_seq_len, "ddp_bucket_cap_mb": cfg.ddp_bucket_cap_mb,
                     "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
                     "measured_steps": steps, "warmup_steps": WARMUP_STEPS}
-        Path(out).write_text(json.dumps({"rows": rows, "settings": settings}))
+        Path(out).write_text(json.dumps({"rows": rows, "noise": noise, "settings": settings}))
     cleanup()
 
 
@@ -105,6 +133,11 @@ def run(args) -> list[dict]:
         mp.spawn(worker, args=(free_port(), flags, variants, steps, str(out)), nprocs=WORLD_SIZE)
         result = json.loads(out.read_text())
     report(args, result["rows"], result["settings"])
+    noise = result["noise"]
+    print(f"gradient noise scale: {noise['with_s'] * 1000:.1f} ms per optimizer step with its statistics, "
+          f"{noise['without_s'] * 1000:.1f} ms without ({noise['pairs']} ABAB pairs, k {noise['grad_accum_steps']}): "
+          f"cost {noise['cost']:+.2%} of a step (goal: under 2 %)")
+    save_results(args, "noise_scale", [noise], result["settings"])
     return result["rows"]
 
 

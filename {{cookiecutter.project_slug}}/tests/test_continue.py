@@ -115,7 +115,8 @@ def test_a_resume_compares_against_the_merged_config(stopped, tmp_path):
 CHANGED = {"global_batch_size": 32, "seed": 7, "task": "sequence_classification", "model_name_or_path": "gpt2",
            "dataset": "other/data", "max_seq_len": 32, "optimizer": "sgd", "learning_rate": 0.01,
            "lr_scheduler_type": "cosine", "warmup_steps": 1, "weight_decay": 0.5, "max_grad_norm": 0.5,
-           "mixed_precision": "fp16", "packing": "true"}
+           "mixed_precision": "fp16", "packing": "true", "global_batch_size_schedule": "0:16,2:32",
+           "lr_batch_scaling": "sqrt"}
 MAY_CHANGE = {"micro_batch_size": 2, "eval_every": 1, "save_steps": 3, "save_total_limit": 1, "stop_after_steps": 1,
               "report_to": "wandb", "wandb_project": "other", "ddp_bucket_cap_mb": 1, "memory_budget_mb": 5,
               "collective_timeout_s": 60, "gradient_checkpointing": "true"}

@@ -42,7 +42,8 @@ from conftest import (
 )
 
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "micro_steps", "grad_sync_calls",
-             "world_size", "grad_accum_steps", "global_batch_size", "elapsed_s"}
+             "world_size", "grad_accum_steps", "micro_batch_size", "global_batch_size", "elapsed_s",
+             "grad_sq_norm", "grad_trace"}  # the last two: this step's noise-scale estimates (DDP, 2 processes)
 EVAL_KEYS = {"causal_lm": {"step", "eval_loss", "eval_perplexity"},
              "sequence_classification": {"step", "eval_loss", "eval_accuracy", "eval_f1"}}
 def cell_id(shape: tuple[int, int]) -> str:
@@ -220,8 +221,9 @@ def test_metrics_jsonl_and_final_model(runs, entry):
     run = runs(entry, 2, **ACCUM)
     assert [r["step"] for r in run.steps] == list(range(1, 9))
     for record in run.steps:
-        assert set(record) == STEP_KEYS
+        assert set(record) - {"grad_noise_scale"} == STEP_KEYS  # the smoothed estimate, once positive
         assert (record["world_size"], record["global_batch_size"], record["micro_steps"]) == (2, 16, 4)
+    assert all(r["grad_noise_scale"] > 0 for r in run.steps[-4:])
     # one evaluation, at the end of the (partial) epoch, none extra
     assert [e["step"] for e in run.evals] == [8]
     assert set(run.evals[0]) == EVAL_KEYS[TASK]

@@ -15,7 +15,8 @@ from {{ cookiecutter.project_slug }}.config import TrainConfig
 
 from conftest import ENTRIES, TASK, run_entry
 
-TRAIN_KEYS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/grad_sync_calls"}
+TRAIN_KEYS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/grad_sync_calls",
+              "train/global_batch_size", "train/micro_batch_size"}  # + train/grad_noise_scale once it exists
 EVAL_KEYS = {"causal_lm": {"eval/loss", "eval/perplexity"},
              "sequence_classification": {"eval/loss", "eval/accuracy", "eval/f1"}}
 
@@ -83,8 +84,10 @@ def test_offline_wandb_run(entry, env, tmp_path):
     assert sorted(steps) == [1, 2, 3]  # the W&B step is the optimizer step, one row each
     for step, row in steps.items():
         assert TRAIN_KEYS <= set(row), (entry, step, sorted(row))
-        assert {k for k in row if k.startswith("train/")} == TRAIN_KEYS
         logged = run.steps[step - 1]
+        noise = {"train/grad_noise_scale"} if "grad_noise_scale" in logged else set()
+        assert {k for k in row if k.startswith("train/")} == TRAIN_KEYS | noise
+        assert row.get("train/grad_noise_scale") == logged.get("grad_noise_scale")
         assert (row["train/loss"], row["train/lr"], row["train/grad_sync_calls"]) == (
             logged["loss"], logged["lr"], logged["grad_sync_calls"])
     evals = {step: row for step, row in rows.items() if "eval/loss" in row}

@@ -16,6 +16,7 @@ libraries' own state holds) — a checkpoint from a shared folder must not execu
 import json
 import pickletools
 import random
+import shlex
 import shutil
 import struct
 import zipfile
@@ -34,9 +35,9 @@ STATE_FILE = "state.json"
 FINAL_DIR = "final_model"
 # Keys that change the training: a checkpoint continues only under the same values (CONTRACT.md,
 # section 3). Every other key may change on resume (world size, micro batch, evaluation, logging...).
-MUST_MATCH = ("global_batch_size", "seed", "task", "model_name_or_path", "dataset", "max_seq_len", "packing",
-              "optimizer", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm",
-              "mixed_precision")
+MUST_MATCH = ("global_batch_size", "global_batch_size_schedule", "lr_batch_scaling", "seed", "task",
+              "model_name_or_path", "dataset", "max_seq_len", "packing", "optimizer", "learning_rate",
+              "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "mixed_precision")
 LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed")
 # What the pickles in a checkpoint may name: tensors and their storages, containers, numpy arrays
 # (RNG states), and the classes DeepSpeed's own state holds. Anything else could run code on load.
@@ -190,8 +191,8 @@ def check_same_training(state: dict, cfg: TrainConfig, where: Path) -> None:
     if differences:
         key, before, now = differences[0]
         raise ConfigError(f"{where} was trained with {key} {before!r}, this run has {key} {now!r}; a run "
-                          f"continues only with the same {key} (pass --{key} {before}), or start a new run in "
-                          "another --output_dir")
+                          f"continues only with the same {key} (pass --{key} {shlex.quote(str(before))}), or start a "
+                          "new run in another --output_dir")
 
 
 def check_same_entry(state: dict, entry: str, backend: str, where: Path) -> None:

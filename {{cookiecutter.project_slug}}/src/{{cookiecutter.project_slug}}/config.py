@@ -21,6 +21,7 @@ from typing import Literal
 import yaml
 from transformers import HfArgumentParser
 
+from .batch import parse_schedule
 from .distributed import cleanup, lost_contact
 from .errors import ConfigError, JobFailed, RunFinished, first_line
 
@@ -77,6 +78,13 @@ class TrainConfig:
         "global_batch_size / world_size, halved until one micro-step fits).", {{ cookiecutter.micro_batch_size }})
     global_batch_size: int = _doc("Examples per optimizer step, summed over processes.",
                                   {{ cookiecutter.global_batch_size }})
+    global_batch_size_schedule: str = _doc(
+        "Grow the global batch during the run: \"0:32,20:64,50:128\" (from optimizer step 20 the global batch "
+        "is 64, ...); the first size is global_batch_size, each one a multiple of the one before; the micro "
+        "batch stays, the accumulation follows. Empty: global_batch_size throughout.", "")
+    lr_batch_scaling: Literal["none", "sqrt", "linear"] = _doc(
+        "With global_batch_size_schedule: scale the learning rate with the global batch (sqrt or linear in "
+        "global batch / the first); none keeps the schedule's lr. No effect without a schedule.", "none")
     memory_budget_mb: float = _doc(
         "With micro_batch_size auto: the peak MiB one micro-step may use (0: the device's memory, "
         "found by trying; on CPU a budget is needed to search).", 0.0)
@@ -164,6 +172,7 @@ class TrainConfig:
         if self.packing and self.task != "causal_lm":
             raise ConfigError(f"packing joins documents for causal_lm; task {self.task} keeps one example per "
                               "sequence: set packing false")
+        parse_schedule(self.global_batch_size_schedule, self.global_batch_size)
         if self.ddp_bucket_cap_mb <= 0:
             raise ConfigError(f"ddp_bucket_cap_mb must be > 0, got {self.ddp_bucket_cap_mb}")
 

@@ -19,11 +19,19 @@ from .distributed import DistEnv
 from .errors import ConfigError
 
 
-def check_back_end(cfg: TrainConfig, env: DistEnv, on_accelerate: bool) -> None:
-    """Refuse what an entry point cannot run, instead of letting it train something else silently.
-
-    `on_accelerate`: the entry point runs on Accelerate (train_accelerate, train_trainer)."""
+def check_back_end(cfg: TrainConfig, env: DistEnv, entry: str) -> None:
+    """Refuse what an entry point (pytorch | accelerate | trainer) cannot run, instead of letting it
+    train something else silently."""
+    on_accelerate = entry != "pytorch"  # train_accelerate and train_trainer run on Accelerate
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if cfg.global_batch_size_schedule and entry == "trainer":
+        raise ConfigError("train_trainer cannot follow global_batch_size_schedule: the Trainer fixes "
+                          "gradient_accumulation_steps for the whole run in its own loop; use train_pytorch or "
+                          "train_accelerate, or drop the schedule")
+    if cfg.global_batch_size_schedule and deepspeed_config_path(cfg):
+        raise ConfigError("global_batch_size_schedule with DeepSpeed: DeepSpeed's engine fixes its batch keys "
+                          "(gradient_accumulation_steps, train_batch_size) when it starts; drop --deepspeed or the "
+                          "schedule")
     if not on_accelerate and deepspeed_config_path(cfg):
         raise ConfigError("train_pytorch does not run DeepSpeed; use train_accelerate or train_trainer with "
                           "--deepspeed, or drop --deepspeed")

@@ -3,7 +3,9 @@ and tokenises).
 
 Data order (independent of the world size): epoch e draws one permutation of the training set
 from (seed, e). Optimizer step s of the epoch consumes the examples at positions
-[s*G, (s+1)*G) of that permutation (G = global batch); rank r takes every world_size-th of them
+[offset_s, offset_s + G_s) of that permutation: G_s is the step's global batch (the
+global_batch_size_schedule's, G throughout without one) and offset_s the sum of the epoch's earlier
+steps' (s*G without a schedule); rank r takes every world_size-th of them
 and cuts its share into micro-batches. The last window of an epoch takes the remainder: no
 example is duplicated or dropped. When the remainder leaves a rank with an empty micro-batch,
 that rank runs a *filler* micro-batch whose labels are all masked, so every rank takes the same
@@ -12,6 +14,7 @@ Under torch.compile a micro-batch has at least 2 rows (`min_rows`), filled the s
 specialises a dimension of size 1, so a remainder of one example would compile a second graph.
 """
 
+import bisect
 import math
 
 import numpy as np
@@ -27,22 +30,68 @@ class WindowSampler(Sampler):
     """Yields this rank's micro-batches, one accumulation window (optimizer step) after another.
 
     Each micro-batch is a list of `(index, real)` pairs; `real` is False only in filler
-    micro-batches (see the module docstring).
+    micro-batches (see the module docstring). Steps are counted over the run (the schedule's
+    global batch follows them) and, within an epoch, from its first step.
     """
 
     def __init__(self, num_examples: int, plan: BatchPlan, rank: int, seed: int, min_rows: int = 1):
         self.num_examples = num_examples
-        self.min_rows = min(min_rows, plan.micro_batch_size)  # filler rows make up the difference
+        self.min_rows = min_rows  # filler rows make up the difference (at most micro_batch_size)
         self.plan = plan
         self.rank = rank
         self.seed = seed
         self.epoch = 0
         self.start_step = 0
         self._drawn: tuple[int, np.ndarray] | None = None  # (epoch, its permutation): drawn once per epoch
+        self._firsts = [0]  # the run's step at which each epoch begins (and the one after the last known)
+        self._sizes: tuple[int, tuple[list[int], list[int]]] | None = None  # (epoch, _epoch(epoch))
+
+    def epoch_sizes(self, epoch: int) -> list[int]:
+        """The global batch of each optimizer step of `epoch`: the schedule's, the last one the remainder."""
+        return self._epoch(epoch)[0]
+
+    def _epoch(self, epoch: int) -> tuple[list[int], list[int]]:
+        """(the global batch of each step of `epoch`, where each begins in its permutation)."""
+        if self._sizes is None or self._sizes[0] != epoch:
+            sizes, offsets, offset, step = [], [], 0, self.first_step(epoch)
+            while offset < self.num_examples:
+                size = min(self.plan.global_batch_at(step), self.num_examples - offset)
+                sizes.append(size)
+                offsets.append(offset)
+                offset, step = offset + size, step + 1
+            self._sizes = epoch, (sizes, offsets)
+        return self._sizes[1]
+
+    def epoch_of(self, step: int) -> tuple[int, int]:
+        """(epoch, its steps done) after `step` optimizer steps of the run."""
+        while self._firsts[-1] <= step:
+            step_at, offset = self._firsts[-1], 0
+            while offset < self.num_examples:  # one schedule segment at a time
+                size = self.plan.global_batch_at(step_at)
+                steps = math.ceil((self.num_examples - offset) / size)
+                later = [start for start, _ in self.plan.schedule if start > step_at]
+                if later:
+                    steps = min(steps, later[0] - step_at)
+                offset, step_at = offset + steps * size, step_at + steps
+            self._firsts.append(step_at)
+        epoch = bisect.bisect_right(self._firsts, step) - 1
+        return epoch, step - self._firsts[epoch]
+
+    def size_of(self, step: int) -> int:
+        """The global batch of the run's optimizer step after `step` steps done (at an epoch's end, the remainder)."""
+        epoch, done = self.epoch_of(step)
+        return self.epoch_sizes(epoch)[done]
+
+    def first_step(self, epoch: int) -> int:
+        """The run's step at which `epoch` begins (the steps of the epochs before it)."""
+        while len(self._firsts) <= epoch:
+            self.epoch_of(self._firsts[-1])
+        return self._firsts[epoch]
 
     @property
     def steps_per_epoch(self) -> int:
-        return math.ceil(self.num_examples / self.plan.global_batch_size)
+        """Optimizer steps of the current epoch (of every epoch without a schedule)."""
+        return len(self.epoch_sizes(self.epoch))
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         """Choose the epoch's permutation and the optimizer step to start from (for resuming)."""
@@ -56,21 +105,22 @@ class WindowSampler(Sampler):
             self._drawn = epoch, order.astype(np.int32) if self.num_examples < 2**31 else order
         return self._drawn[1]
 
-    def micro_steps(self, step: int) -> int:
-        """Micro-batches in window `step` on every rank (grad_accum_steps, fewer at an epoch's end)."""
-        size = min(self.plan.global_batch_size, self.num_examples - step * self.plan.global_batch_size)
-        share = math.ceil(size / self.plan.world_size)
+    def micro_steps(self, step: int, epoch: int | None = None) -> int:
+        """Micro-batches in window `step` of `epoch` (the current one when None) on every rank (the
+        step's grad_accum_steps, fewer at an epoch's end)."""
+        share = math.ceil(self.epoch_sizes(self.epoch if epoch is None else epoch)[step] / self.plan.world_size)
         return math.ceil(share / self.plan.micro_batch_size)
 
     def window(self, epoch: int, step: int) -> list[list[tuple[int, bool]]]:
-        g = self.plan.global_batch_size
-        order = self.permutation(epoch)[step * g:(step + 1) * g].tolist()
+        sizes, offsets = self._epoch(epoch)
+        order = self.permutation(epoch)[offsets[step]:offsets[step] + sizes[step]].tolist()
         share = order[self.rank::self.plan.world_size]
         b = self.plan.micro_batch_size
+        rows = min(self.min_rows, b)
         batches = []
-        for m in range(self.micro_steps(step)):
+        for m in range(self.micro_steps(step, epoch)):
             part = [(i, True) for i in share[m * b:(m + 1) * b]]
-            batches.append(part + [(order[0], False)] * max(self.min_rows - len(part), 0))
+            batches.append(part + [(order[0], False)] * max(rows - len(part), 0))
         return batches
 
     def __iter__(self):
@@ -78,9 +128,8 @@ class WindowSampler(Sampler):
             yield from self.window(self.epoch, step)
 
     def __len__(self) -> int:
-        """Micro-batches from start_step to the epoch's end: full windows, then the last one."""
-        last = self.steps_per_epoch - 1
-        return self.plan.grad_accum_steps * (last - self.start_step) + self.micro_steps(last)
+        """Micro-batches from start_step to the epoch's end."""
+        return sum(self.micro_steps(step) for step in range(self.start_step, self.steps_per_epoch))
 
 
 class _Marked(Dataset):

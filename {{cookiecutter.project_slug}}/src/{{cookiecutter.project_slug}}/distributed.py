@@ -213,11 +213,14 @@ def sync_counter_for(model) -> "GradSyncCounter | None":
 
 class GradSyncCounter:
     """Counts DDP's gradient all-reduce calls (one per bucket per synchronised backward pass) and
-    the bytes they send (each bucket's flat gradient buffer).
+    the bytes they send (each bucket's flat gradient buffer), and sums each bucket's squared norm
+    before the all-reduce (this rank's gradient) and after it (the average over ranks) for the
+    gradient noise scale (noise.py).
 
     Installed as a DDP communication hook that wraps the default all-reduce, so it counts what
-    DDP really sends; `take()` returns the calls since its last call and resets them, and
-    `take_bytes()` does the same for the bytes (the communication benchmark reads both).
+    DDP really sends (DDP takes one hook: everything read from the buckets is read here); `take()`
+    returns the calls since its last call and resets them, `take_bytes()` and `take_norms()` do the
+    same for the bytes (the communication benchmark reads both) and the squared norms.
     """
 
     def __init__(self, ddp_model) -> None:
@@ -225,13 +228,34 @@ class GradSyncCounter:
 
         self.calls = 0
         self.bytes = 0
+        self.noise = True  # read the squared norms (off: only to measure what they cost)
+        self._index = {id(p): i for i, p in enumerate(ddp_model.module.parameters())}
+        self._local: list[tuple[list[int], torch.Tensor]] = []  # (parameter indices, their squared norms)
+        self._reduced: list[tuple[list[int], torch.Tensor]] = []
         self._allreduce = default_hooks.allreduce_hook
+
+        def squared_norms(flat: torch.Tensor, bucket) -> tuple[list[int], torch.Tensor]:
+            """Per parameter, so that the step's sum does not depend on how DDP groups its buckets
+            (they change after the first step, and again in a resumed job)."""
+            params = bucket.parameters()
+            views = flat.split([p.numel() for p in params])
+            norms = torch._foreach_norm(views, dtype=torch.promote_types(flat.dtype, torch.float32))
+            return [self._index[id(p)] for p in params], torch.stack(norms).double().square()
 
         def hook(state, bucket):
             buffer = bucket.buffer()
             self.calls += 1
             self.bytes += buffer.numel() * buffer.element_size()
-            return self._allreduce(state, bucket)
+            if not self.noise:
+                return self._allreduce(state, bucket)
+            self._local.append(squared_norms(buffer, bucket))
+
+            def reduced(future) -> torch.Tensor:
+                averaged = future.value()
+                self._reduced.append(squared_norms(averaged, bucket))
+                return averaged
+
+            return self._allreduce(state, bucket).then(reduced)
 
         ddp_model.register_comm_hook(None, hook)
 
@@ -242,3 +266,17 @@ class GradSyncCounter:
     def take_bytes(self) -> int:
         sent, self.bytes = self.bytes, 0
         return sent
+
+    def take_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(this rank's squared gradient norm, the averaged gradient's) since the last call, summed
+        in the parameters' order; (None, None) without a synchronised step."""
+        taken, self._local, self._reduced = (self._local, self._reduced), [], []
+        if not all(taken):
+            return None, None
+        sums = []
+        for parts in taken:
+            per_param = torch.zeros(len(self._index), dtype=torch.float64, device=parts[0][1].device)
+            for indices, values in parts:
+                per_param[indices] += values
+            sums.append(per_param.sum())
+        return sums[0], sums[1]

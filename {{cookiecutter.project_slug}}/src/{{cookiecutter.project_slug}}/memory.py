@@ -122,9 +122,10 @@ def check_auto_micro_batch(cfg: TrainConfig, env: DistEnv) -> None:
                           "out-of-memory error to search by); or give micro_batch_size")
 
 
-def auto_micro_batch_size(cfg: TrainConfig, model_config, env: DistEnv) -> tuple[int, str]:
+def auto_micro_batch_size(cfg: TrainConfig, model_config, env: DistEnv, at_most: int = 0) -> tuple[int, str]:
     """--micro_batch_size auto: the largest micro batch whose training step fits, the same on every
-    rank (the smallest of the ranks' answers), and how it was found, for the batch table.
+    rank (the smallest of the ranks' answers), and how it was found, for the batch table. `at_most`
+    (0: no limit) caps the search: a resumed run keeps the micro batch an out-of-memory error left.
 
     Fits: within --memory_budget_mb when one is set, and without a CUDA out-of-memory error.
     Needs the process group (the ranks agree through one all-reduce)."""
@@ -143,11 +144,12 @@ def auto_micro_batch_size(cfg: TrainConfig, model_config, env: DistEnv) -> tuple
         peaks[size] = f"{peak / MIB:.1f} MiB"
         return not budget or peak <= budget
 
-    local = largest_fitting(cfg.global_batch_size // env.world_size, fits)
+    local = largest_fitting(cfg.global_batch_size // env.world_size, fits, at_most)
     size = int(all_reduce_min(torch.tensor(local, device=env.device)).item())
     limit = f"budget {cfg.memory_budget_mb:g} MiB" if budget else f"{env.device.type} memory"
     tried = ", ".join(f"{b}: {peak}" for b, peak in peaks.items())
     if size == 0:
         raise ConfigError(f"micro_batch_size auto: not even 1 example fits in the {limit} (peak per training "
                           f"step {tried}); raise --memory_budget_mb, use gradient_checkpointing or mixed_precision")
-    return size, f"largest within the {limit}; peak per step {tried}"
+    capped = f", at most {at_most} (an earlier out-of-memory error)" if at_most else ""
+    return size, f"largest within the {limit}{capped}; peak per step {tried}"

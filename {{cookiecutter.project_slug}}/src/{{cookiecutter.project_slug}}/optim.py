@@ -8,6 +8,7 @@ import torch
 from transformers import get_scheduler
 from transformers.optimization import Adafactor
 
+from .batch import BatchPlan, lr_batch_factor
 from .config import TrainConfig
 
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
@@ -33,11 +34,18 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
                      warmup_init=False)
 
 
-def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+def total_steps(cfg: TrainConfig, sampler) -> int:
     """Optimizer steps of the whole run: max_steps, or num_epochs epochs when it is -1."""
-    return cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * steps_per_epoch
+    return cfg.max_steps if cfg.max_steps > 0 else sampler.first_step(cfg.num_epochs)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps: int):
-    return get_scheduler(SCHEDULES[cfg.lr_scheduler_type], optimizer,
-                         num_warmup_steps=cfg.warmup_steps, num_training_steps=steps)
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps: int, plan: BatchPlan):
+    """The lr schedule over `steps` optimizer steps; with lr_batch_scaling, each step's lr also
+    scaled with its global batch (the schedule counts the steps it applied: a skipped step, which
+    leaves it where it is, is not counted)."""
+    scheduler = get_scheduler(SCHEDULES[cfg.lr_scheduler_type], optimizer,
+                              num_warmup_steps=cfg.warmup_steps, num_training_steps=steps)
+    factor = lr_batch_factor(cfg.lr_batch_scaling, plan)
+    if factor is not None:  # LambdaLR's own hook; 1 at step 0, so the first lr is unchanged
+        scheduler.lr_lambdas = [lambda step, f=f: f(step) * factor(step) for f in scheduler.lr_lambdas]
+    return scheduler

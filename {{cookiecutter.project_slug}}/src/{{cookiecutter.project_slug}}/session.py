@@ -5,17 +5,29 @@ accumulation windows, and decide when to evaluate, checkpoint and stop.
 so each process reports a ConfigError (exit 2) without waiting on another. (With
 `--micro_batch_size auto` the ranks meet once, to agree on the micro batch; every check after that
 fails the same way on every rank.)
+
+`--micro_batch_size auto` also holds at run time in train_pytorch and train_accelerate on DDP (or
+one process): an out-of-memory error in a micro-step that does not synchronise is noted, the ranks
+agree once per window, just before its synchronising micro-step (no collective runs before it: DDP
+broadcasts no buffers here), and every rank then drops the window and takes the same window again
+in micro-batches half as large, accumulating twice as many: the same examples, the same global
+batch. The smaller micro batch is kept for the rest of the run (checkpoints record it; a resumed
+auto run searches no higher). An out-of-memory error in the synchronising micro-step itself leaves
+the other ranks waiting in its all-reduce: the job stops with one line, and its restart continues
+from the newest checkpoint with the smaller micro batch (noted in output_dir/auto_micro_batch_size).
 """
 
 import math
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import transformers
 
-from .batch import BatchPlan, plan_batches
+from .batch import BatchPlan, plan_batches, smaller_micro_batch
 from .checkpoint import (
     check_same_entry,
     check_same_training,
@@ -32,13 +44,27 @@ from .checkpoint import (
 from .config import TrainConfig
 from .coordination import check_back_end, check_launcher_env, deepspeed_config, deepspeed_config_path
 from .data import Collator, WindowSampler, eval_dataloader, loading, train_dataloader
-from .distributed import DistEnv, PreemptionSignal, dist_env, init_distributed, print0
-from .errors import ConfigError, JobFailed, RunFinished
+from .distributed import DistEnv, PreemptionSignal, all_reduce_sum, dist_env, init_distributed, print0
+from .errors import ConfigError, JobFailed, RunFinished, first_line
 from .memory import auto_micro_batch_size, check_auto_micro_batch
 from .model import load_tokenizer, model_config
+from .noise import NoiseScale
 from .optim import total_steps
 from .prepare import prepare
 from .speed import compiled_graphs, flops_per_token, matmul_precision, numel, peak_flops, set_tf32
+
+AUTO_CEILING = "auto_micro_batch_size"  # in output_dir: the micro batch a restart of an auto run starts from
+
+
+def auto_ceiling(cfg: TrainConfig, state: dict | None) -> int:
+    """The largest micro batch a --micro_batch_size auto search may choose (0: no limit): the
+    resumed checkpoint's, or the one noted after an out-of-memory error in a synchronising micro-step."""
+    resumed_auto = state and state["config"].get("micro_batch_size") == "auto" and "micro_batch_size" in state
+    ceilings = [int(state["micro_batch_size"])] if resumed_auto else []
+    note = Path(cfg.output_dir) / AUTO_CEILING
+    if note.is_file() and note.read_text().strip().isdigit():
+        ceilings.append(int(note.read_text()))
+    return min(ceilings, default=0)
 
 
 def make_output_dir(output_dir: str) -> None:
@@ -84,6 +110,11 @@ class Session:
     flops_per_token: float = 0.0  # the model's training FLOPs per token (announce)
     peak_flops: float = 0.0  # the device's peak FLOP/s; 0 where unknown (no mfu)
     last_elapsed_s: float = 0.0
+    noise: NoiseScale = field(default_factory=NoiseScale)  # the gradient noise scale's running estimate
+    adaptive: bool = False  # micro_batch_size auto at run time (see the module docstring)
+    out_of_memory: bool = False  # this rank ran out of memory in the current window
+    retrying: bool = False  # the current window is dropped: it comes again in smaller micro-batches
+    oom_retries: int = 0  # windows dropped since the last record
 
     @classmethod
     def start(cls, cfg: TrainConfig, entry: str, on_accelerate: bool) -> "Session":
@@ -92,7 +123,7 @@ class Session:
         precision)."""
         env = dist_env()
         quiet_libraries(env)
-        check_back_end(cfg, env, on_accelerate)
+        check_back_end(cfg, env, entry)
         backend = "deepspeed" if on_accelerate and deepspeed_config_path(cfg) else "ddp"
         resume = resume_point(cfg)
         state = None
@@ -108,7 +139,8 @@ class Session:
         if auto:
             check_auto_micro_batch(cfg, env)
         else:
-            plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, env.world_size)
+            plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, env.world_size,
+                                schedule=cfg.global_batch_size_schedule)
         tokenizer = load_tokenizer(cfg)
         prepared = prepare(cfg, tokenizer)
         config = model_config(cfg, tokenizer, prepared.num_labels or 2)
@@ -122,16 +154,19 @@ class Session:
             note_versions(state, resume)
         if auto:  # the one search needs the process group: every rank must agree on the result
             init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s)
-            micro_batch_size, chosen_by = auto_micro_batch_size(cfg, config, env)
-            plan = plan_batches(cfg.global_batch_size, micro_batch_size, env.world_size, chosen_by)
+            micro_batch_size, chosen_by = auto_micro_batch_size(cfg, config, env, auto_ceiling(cfg, state))
+            plan = plan_batches(cfg.global_batch_size, micro_batch_size, env.world_size, chosen_by,
+                                cfg.global_batch_size_schedule)
         check_launcher_env(plan)
         ds_config = deepspeed_config(cfg, plan) if on_accelerate else None
         sampler = WindowSampler(len(data["train"]), plan, env.rank, cfg.seed, min_rows=2 if cfg.compile else 1)
         start_step = int(state["step"]) if state else 0
         set_tf32(cfg, env.device)
+        fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
         return cls(cfg, env, entry, backend, plan, resume, tokenizer, config, data, prepared.folder, sampler,
-                   total_steps(cfg, sampler.steps_per_epoch), ds_config, PreemptionSignal(), start_step,
-                   peak_flops=peak_flops(cfg, env.device))
+                   total_steps(cfg, sampler), ds_config, PreemptionSignal(), start_step,
+                   peak_flops=peak_flops(cfg, env.device), noise=NoiseScale(*(state or {}).get("grad_noise", ())),
+                   adaptive=auto and entry != "trainer" and backend == "ddp" and not fsdp)
 
     def init_distributed(self) -> None:
         """Join the process group (once; one process joins none, unless it runs DeepSpeed)."""
@@ -143,6 +178,7 @@ class Session:
         it before it continues."""
         return {"step": step, "world_size": self.env.world_size, "entry": self.entry, "backend": self.backend,
                 "total_steps": self.total_steps, "num_train_examples": len(self.data["train"]),
+                "micro_batch_size": self.plan.micro_batch_size, "grad_noise": self.noise.state(),
                 "config": self.cfg.to_dict(), "versions": library_versions()}
 
     def announce(self, entry: str, model) -> None:
@@ -151,7 +187,8 @@ class Session:
         self.flops_per_token = flops_per_token(model, self.cfg.max_seq_len)
         examples = f"blocks of {self.cfg.max_seq_len} tokens" if self.cfg.packing else "examples"
         print0(f"{entry}: {self.cfg.task}, {sum(map(numel, model.parameters())):,} parameters, "
-               f"{self.total_steps} optimizer steps ({self.sampler.steps_per_epoch} per epoch)"
+               f"{self.total_steps} optimizer steps ({self.sampler.steps_per_epoch} "
+               + ("in the first epoch)" if len(self.plan.schedule) > 1 else "per epoch)")
                + (f", resuming after step {self.start_step} from {self.resume}" if self.resume else "")
                + f"\ndata: {len(self.data['train']):,} training {examples} from {self.data_folder}"
                + f"\nspeed: {', '.join(self.levers())}" + "\n" + self.plan.table(self.cfg.max_seq_len))
@@ -175,24 +212,88 @@ class Session:
 
     def windows(self, loader) -> Iterator[tuple[int, list[dict]]]:
         """From start_step on: the optimizer step each window completes, and its micro-batches on
-        this process (grad_accum_steps of them, fewer in an epoch's short last window)."""
-        per_epoch, step = self.sampler.steps_per_epoch, self.start_step
+        this process (the step's grad_accum_steps of them, fewer in an epoch's short last window).
+        A window dropped for an out-of-memory error comes again, cut into the smaller micro-batches."""
+        step = self.start_step
         while step < self.total_steps:
-            epoch, first = divmod(step, per_epoch)
-            self.sampler.set_epoch(epoch, first)
+            epoch, s = self.sampler.epoch_of(step)
+            self.sampler.set_epoch(epoch, s)
             micro_batches = iter(loader)
-            for s in range(first, min(per_epoch, first + self.total_steps - step)):
+            end = min(self.sampler.steps_per_epoch, s + self.total_steps - step)
+            while s < end:
                 window = [next(micro_batches) for _ in range(self.sampler.micro_steps(s))]
-                step += 1
-                yield step, window
+                yield step + 1, window
+                if self.retrying:  # the loader starts again at this window, with the smaller micro batch
+                    self.retrying = False
+                    break
+                s, step = s + 1, step + 1
+
+    @contextmanager
+    def micro_step(self, is_last: bool):
+        """Around one micro-step of an entry point's loop: with micro_batch_size auto at run time, an
+        out-of-memory error in a micro-step that does not synchronise is noted (the window is then
+        dropped on every rank, `window_fits`); in one that does (the window's last, or every one with
+        ddp_no_sync false) it stops the job."""
+        syncs = is_last or (self.env.world_size > 1 and not self.cfg.ddp_no_sync)
+        if not self.adaptive:
+            yield
+            return
+        try:
+            yield
+        except torch.OutOfMemoryError as err:
+            if not syncs:
+                self.out_of_memory = True
+                return
+            raise self._oom_in_sync(err) from None
+
+    def window_fits(self) -> bool:
+        """Before a window's synchronising micro-step: did every rank get through the others? One
+        tiny all-reduce per window, with micro_batch_size auto at run time (else always True). When
+        not, every rank returns False: the caller drops the window's gradients, and the window comes
+        again in micro-batches of the next smaller size."""
+        if not self.adaptive:
+            return True
+        failed = all_reduce_sum(torch.tensor(float(self.out_of_memory), device=self.env.device)).item()
+        self.out_of_memory = False
+        if not failed:
+            return True
+        per_rank = self.plan.global_batch_size // self.env.world_size
+        smaller = smaller_micro_batch(per_rank, self.plan.micro_batch_size)
+        if not smaller:
+            raise JobFailed(f"out of memory on {failed:g} process(es) at micro batch 1: not even one example fits; "
+                            "use gradient_checkpointing, mixed_precision or a shorter max_seq_len",
+                            agreed=True)
+        self.plan = self.sampler.plan = self.plan.with_micro_batch(
+            smaller, f"{smaller} after an out-of-memory error at {self.plan.micro_batch_size}")
+        self.retrying, self.oom_retries = True, self.oom_retries + 1
+        if self.env.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the failed attempt held goes back to the device
+        return False
+
+    def _oom_in_sync(self, err: BaseException) -> JobFailed:
+        """The job's end after an out-of-memory error in a synchronising micro-step: the other ranks
+        wait in its all-reduce, so nothing can be agreed. The next smaller micro batch is noted for
+        the restart (auto_ceiling)."""
+        per_rank = self.plan.global_batch_size // self.env.world_size
+        smaller = smaller_micro_batch(per_rank, self.plan.micro_batch_size)
+        note = Path(self.cfg.output_dir) / AUTO_CEILING
+        if smaller:
+            note.write_text(f"{smaller}\n")
+        then = (f"its restart (torchrun --max_restarts, a requeue, --resume_from_checkpoint auto) continues from "
+                f"the newest checkpoint with micro batch {smaller} ({note})" if smaller else
+                "not even one example fits: use gradient_checkpointing, mixed_precision or a shorter max_seq_len")
+        return JobFailed(f"rank {self.env.rank} ran out of memory in the synchronising micro-step at micro batch "
+                         f"{self.plan.micro_batch_size} ({first_line(err)}); the job stops, {then}")
 
     def record(self, step: int, values: dict, elapsed_s: float) -> dict:
         """The metrics.jsonl object of an optimizer step, with its MFU where the peak is known:
         model FLOPs of the step's real tokens over the step's time, over the peak of every device."""
         seconds, self.last_elapsed_s = elapsed_s - self.last_elapsed_s, elapsed_s
         record = {"step": step, **values, "world_size": self.env.world_size,
-                  "grad_accum_steps": self.plan.grad_accum_steps,
-                  "global_batch_size": self.plan.global_batch_size, "elapsed_s": round(elapsed_s, 3)}
+                  "grad_accum_steps": self.plan.accum_at(step - 1), "micro_batch_size": self.plan.micro_batch_size,
+                  "global_batch_size": self.plan.global_batch_at(step - 1), "elapsed_s": round(elapsed_s, 3)}
+        if self.oom_retries:
+            record["oom_retries"], self.oom_retries = self.oom_retries, 0
         if self.peak_flops and seconds > 0:
             achieved = self.flops_per_token * values["tokens"] / seconds
             record["mfu"] = round(achieved / (self.peak_flops * self.env.world_size), 4)
@@ -267,6 +368,9 @@ class Session:
         job; a run whose steps keep being non-finite stops here (JobFailed, exit code 3)."""
         if sync_counter is not None:
             values["grad_sync_calls"] = sync_counter.take()
+            local, reduced = sync_counter.take_norms()
+            if self.cfg.ddp_no_sync and self.cfg.mixed_precision != "fp16" and not values.get("step_skipped"):
+                values.update(self.noise.update(local, reduced, self.sampler.size_of(step - 1), self.env.world_size))
         tracker.log(self.record(step, values, tracker.elapsed()))
         self.job_steps += 1
         self.check_finite(step, values, tracker)
@@ -276,7 +380,7 @@ class Session:
         of each epoch, the run's last step ending the last (maybe partial) epoch."""
         if self.cfg.eval_every:
             return step % self.cfg.eval_every == 0
-        return step % self.sampler.steps_per_epoch == 0 or step == self.total_steps
+        return self.sampler.epoch_of(step)[1] == 0 or step == self.total_steps
 
     def save_due(self, step: int) -> bool:
         """Write a checkpoint after optimizer step `step`? Every save_steps steps."""

@@ -1,8 +1,9 @@
 """The run's record: `metrics.jsonl` and Weights & Biases, written by the main process only.
 
 One JSON object per optimizer step (`step`, `loss`, `lr`, `grad_norm`, `tokens`, `micro_steps`,
-`grad_sync_calls`, `world_size`, `grad_accum_steps`, `global_batch_size`, `elapsed_s`) and one
-per evaluation (`step`, `eval_loss`, ...). On resume the file is appended to.
+`grad_sync_calls`, `world_size`, `grad_accum_steps`, `micro_batch_size`, `global_batch_size`,
+`elapsed_s`; `mfu`, `grad_noise_scale`, `oom_retries` where they apply) and one per evaluation
+(`step`, `eval_loss`, ...). On resume the file is appended to.
 
 W&B: the W&B step is the optimizer step; training keys go under `train/`, evaluation keys under
 `eval/`. Without an API key (no WANDB_API_KEY, no `wandb login`) the run is offline, and the
@@ -25,7 +26,9 @@ from .config import TrainConfig
 from .distributed import DistEnv, print0
 
 TRAIN_KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-              "grad_sync_calls": "train/grad_sync_calls", "mfu": "train/mfu"}
+              "grad_sync_calls": "train/grad_sync_calls", "mfu": "train/mfu",
+              "grad_noise_scale": "train/grad_noise_scale", "global_batch_size": "train/global_batch_size",
+              "micro_batch_size": "train/micro_batch_size"}
 
 
 def _has_wandb_key() -> bool:
@@ -61,8 +64,9 @@ def _duration(seconds: float) -> str:
 class Progress:
     """The line a user watches, on rank 0's stdout: every `log_every` optimizer steps and after the
     last one, `step 120/3900 | loss 3.2140 | lr 2.90e-04 | grad_norm 0.93 | 41.2k tok/s | eta 1h02m`,
-    then what else the step's record holds (all-reduces per step, a skipped step). On a terminal a
-    live bar shows every step between those lines; elsewhere (a SLURM log) only plain lines."""
+    then what else the step's record holds (mfu, the gradient noise scale, all-reduces per step, a
+    skipped step, a new batch shape). On a terminal a live bar shows every step between those lines;
+    elsewhere (a SLURM log) only plain lines."""
 
     LINES_PER_RUN = 30  # log_every 0: about this many lines, whatever the run's length
 
@@ -70,6 +74,7 @@ class Progress:
         self.total = total_steps
         self.every = log_every or max(1, math.ceil((total_steps - start_step) / self.LINES_PER_RUN))
         self.since = (start_step, 0.0, 0)  # (step, elapsed_s, tokens) at the last line
+        self.shape = None  # (global batch, micro batch) at the last line: a change is shown once
         self.bar = None
         if sys.stdout.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stdout, dynamic_ncols=True,
@@ -86,10 +91,17 @@ class Progress:
             parts += [f"{_count(tokens / seconds)} tok/s", f"eta {_duration((self.total - step) * seconds / steps)}"]
         if "mfu" in record:
             parts.append(f"mfu {record['mfu']:.1%}")
+        if "grad_noise_scale" in record:
+            parts.append(f"gns {record['grad_noise_scale']:.3g}")
         if "grad_sync_calls" in record:
             parts.append(f"syncs {record['grad_sync_calls']}")
         if record.get("step_skipped"):
             parts.append("skipped")
+        shape = record["global_batch_size"], record["micro_batch_size"]
+        if self.shape is not None and shape != self.shape:
+            why = " after out of memory" if record.get("oom_retries") else ""
+            parts.append(f"batch {shape[0]} = micro {shape[1]}{why} x accum {record['grad_accum_steps']} x world "
+                         f"{record['world_size']}")
         return " | ".join(parts)
 
     def evaluation(self, record: dict) -> None:
@@ -112,6 +124,7 @@ class Progress:
         if step % self.every == 0 or step == self.total:
             self.write(text)
             self.since = (step, record["elapsed_s"], 0)
+            self.shape = record["global_batch_size"], record["micro_batch_size"]
         else:
             self.since = (*self.since[:2], self.since[2] + record["tokens"])
         if step == self.total and self.bar is not None:

@@ -11,8 +11,9 @@ Every flag overrides the key of the same name in configs/train.yaml (`--help` li
 Accelerate does the accumulation bookkeeping: inside `accumulate()` it skips DDP's all-reduce
 (no_sync) until the window's last micro-step, and the prepared optimizer only steps (and zeroes)
 when `accelerator.sync_gradients` is True. Four library behaviours are corrected on top:
-- the window's length: our windows follow the data (the last one of an epoch may be short), so
-  `accelerator.step` is aligned at each window's start and its last micro-step always syncs;
+- the window's length: our windows follow the data (the last one of an epoch may be short, the
+  global_batch_size_schedule may lengthen them), so `gradient_accumulation_steps` and
+  `accelerator.step` are set at each window's start and its last micro-step always syncs;
 - the loss: `accelerator.backward` divides by `gradient_accumulation_steps`; we divide by the real
   targets of the whole global batch instead, so that factor is multiplied back in;
 - the schedule: a prepared scheduler would step once per process per optimizer step; with
@@ -45,23 +46,29 @@ from .speed import COMPILE
 from .tracking import Tracker
 
 
-def train_step(accelerator: Accelerator, model, window: list[dict], optimizer, lr_scheduler,
-               cfg: TrainConfig, world_size: int) -> dict:
+def train_step(accelerator: Accelerator, model, window: list[dict], optimizer, lr_scheduler, session: Session,
+               grad_accum_steps: int) -> dict | None:
     """One optimizer step: the seed's accumulate() loop over this rank's micro-batches.
 
     The slide's loop: the window is the slide's k micro-batches (k = grad_accum_steps, fewer in an
     epoch's short last window); Accelerate's own boundary test, the slide's `(index + 1) % k == 0`,
-    is `accelerator.sync_gradients`, aligned so that it is True on the window's last micro-step."""
+    is `accelerator.sync_gradients`, aligned so that it is True on the window's last micro-step.
+    None: the window did not fit in memory on some rank (micro_batch_size auto), and comes again."""
+    cfg, world_size = session.cfg, session.env.world_size
     targets = torch.tensor(float(sum(count_targets(b["labels"], cfg.task) for b in window)))
     num_targets = all_reduce_sum(targets.to(accelerator.device)).clamp(min=1).item()
-    k = accelerator.gradient_accumulation_steps
+    accelerator.gradient_accumulation_steps = k = grad_accum_steps  # this step's (the schedule's)
     accelerator.step = k - len(window)  # the window's last micro-step is the one that syncs
     lr = optimizer.param_groups[0]["lr"]  # the lr this step applies (DeepSpeed steps inside backward)
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    for batch in window:
+    for micro_step, batch in enumerate(window):
         batch = {key: value.to(accelerator.device, non_blocking=True) for key, value in batch.items()}
         labels = batch.pop("labels")
-        with accelerator.accumulate(model):
+        is_last = micro_step == len(window) - 1
+        if is_last and not session.window_fits():  # micro_batch_size auto: out of memory on some rank
+            model.zero_grad(set_to_none=True)  # every rank drops the window (the prepared optimizer
+            return None  # zeroes only at a sync); it comes again, smaller
+        with session.micro_step(is_last), accelerator.accumulate(model):
             logits = model(**batch).logits
             loss = summed_loss(logits, labels, cfg.task)
             # x k undoes backward()'s (or DeepSpeed's) division by gradient_accumulation_steps;
@@ -97,7 +104,7 @@ def train(cfg: TrainConfig) -> None:
     env = session.env
     model = build_model(cfg, session.model_config)
     optimizer = build_optimizer(model, cfg, env.device)
-    lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps)
+    lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps, session.plan)
 
     on_cpu = env.device.type == "cpu"
     # Our process group, which Accelerate then uses; also what DeepSpeed on CPU needs (Accelerate
@@ -143,7 +150,10 @@ def train(cfg: TrainConfig) -> None:
     model.train()
     step = session.start_step
     for step, window in session.windows(train_loader):
-        values = train_step(accelerator, model, window, optimizer, lr_scheduler, cfg, env.world_size)
+        values = train_step(accelerator, model, window, optimizer, lr_scheduler, session,
+                            session.plan.accum_at(step - 1))
+        if values is None:  # dropped for an out-of-memory error: the same window again, smaller
+            continue
         session.log_step(step, values, tracker, sync_counter)
         if session.eval_due(step):
             tracker.log({"step": step, **evaluate(unwrapped, eval_loader, cfg.task, accelerator.device,

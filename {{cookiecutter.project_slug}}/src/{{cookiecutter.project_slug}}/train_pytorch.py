@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import load_rng, save_rng
 from .config import TrainConfig, run_cli
-from .distributed import DistEnv, GradSyncCounter, all_reduce_sum, wrap_ddp
+from .distributed import GradSyncCounter, all_reduce_sum, wrap_ddp
 from .evaluation import evaluate
 from .model import autocast_for, build_model, count_targets, summed_loss
 from .optim import build_optimizer, build_scheduler
@@ -38,14 +38,16 @@ from .speed import COMPILE
 from .tracking import Tracker
 
 
-def train_step(ddp_model, forward, window: list[dict], optimizer, lr_scheduler, scaler, cfg: TrainConfig,
-               env: DistEnv, autocast) -> dict:
+def train_step(ddp_model, forward, window: list[dict], optimizer, lr_scheduler, scaler, session: Session,
+               autocast) -> dict | None:
     """One optimizer step over this rank's micro-batches of the window; `forward` is ddp_model, or
     its torch.compile'd self (the same module, so no_sync() on ddp_model holds for it).
 
     The slide's loop: the window is the slide's k micro-batches (k = grad_accum_steps, fewer in an
     epoch's short last window), and the slide's boundary test `(index + 1) % k == 0` is the
-    window's last micro-step, `is_last` here: the only one that syncs, then step, schedule, zero."""
+    window's last micro-step, `is_last` here: the only one that syncs, then step, schedule, zero.
+    None: the window did not fit in memory on some rank (micro_batch_size auto), and comes again."""
+    cfg, env = session.cfg, session.env
     model = ddp_model.module if isinstance(ddp_model, DDP) else ddp_model
     targets = torch.tensor(float(sum(count_targets(b["labels"], cfg.task) for b in window)), device=env.device)
     num_targets = all_reduce_sum(targets).clamp(min=1).item()  # real targets, all ranks
@@ -54,15 +56,18 @@ def train_step(ddp_model, forward, window: list[dict], optimizer, lr_scheduler, 
         batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
         labels = batch.pop("labels")
         is_last = micro_step == len(window) - 1
+        if is_last and not session.window_fits():  # micro_batch_size auto: out of memory on some rank
+            optimizer.zero_grad(set_to_none=True)  # every rank drops the window; it comes again, smaller
+            return None
         skip_sync = isinstance(ddp_model, DDP) and cfg.ddp_no_sync and not is_last
-        with ddp_model.no_sync() if skip_sync else nullcontext():
+        with session.micro_step(is_last), ddp_model.no_sync() if skip_sync else nullcontext():
             with autocast():
                 logits = forward(**batch).logits
             loss = summed_loss(logits, labels, cfg.task)
             # DDP averages over ranks, hence x world_size: the sum over the window and the ranks
             # is then the gradient of the global batch's mean loss.
             scaler.scale(loss * (env.world_size / num_targets)).backward()
-        loss_sum += loss.detach().double()
+            loss_sum += loss.detach().double()
     scaler.unscale_(optimizer)  # once per optimizer step, before clipping
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
     lr = optimizer.param_groups[0]["lr"]
@@ -96,7 +101,7 @@ def train(cfg: TrainConfig) -> None:
     env = session.env
     model = build_model(cfg, session.model_config).to(env.device)
     optimizer = build_optimizer(model, cfg, env.device)
-    lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps)
+    lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps, session.plan)
     scaler = torch.amp.GradScaler(env.device.type, init_scale=cfg.fp16_init_scale,
                                   enabled=cfg.mixed_precision == "fp16")
     if session.resume is not None:
@@ -129,7 +134,9 @@ def train(cfg: TrainConfig) -> None:
     model.train()
     step = session.start_step
     for step, window in session.windows(train_loader):
-        values = train_step(ddp_model, forward, window, optimizer, lr_scheduler, scaler, cfg, env, autocast)
+        values = train_step(ddp_model, forward, window, optimizer, lr_scheduler, scaler, session, autocast)
+        if values is None:  # dropped for an out-of-memory error: the same window again, smaller
+            continue
         session.log_step(step, values, tracker, sync_counter)
         if session.eval_due(step):
             tracker.log({"step": step, **evaluate(model, eval_loader, cfg.task, env.device, autocast)})

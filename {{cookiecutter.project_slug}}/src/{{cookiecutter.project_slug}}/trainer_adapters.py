@@ -58,7 +58,8 @@ class WindowTrainer(Trainer):
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None:
-            self.lr_scheduler = build_scheduler(optimizer or self.optimizer, self.session.cfg, num_training_steps)
+            self.lr_scheduler = build_scheduler(optimizer or self.optimizer, self.session.cfg, num_training_steps,
+                                              self.session.plan)
         return self.lr_scheduler
 
 
@@ -115,7 +116,7 @@ class RunRecorder(TrainerCallback):
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # The epoch's permutation; set here because a resumed epoch's loader is a skipping copy.
-        self.session.sampler.set_epoch(state.global_step // self.session.sampler.steps_per_epoch)
+        self.session.sampler.set_epoch(self.session.sampler.epoch_of(state.global_step)[0])
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, lr_scheduler=None, model=None, **kwargs):
         # one host sync per optimizer step: the window's loss (all ranks) and the clipped gradients' norm
@@ -156,7 +157,7 @@ class RunRecorder(TrainerCallback):
             self.tracker.log({"step": state.global_step, **eval_keys})
 
     def on_epoch_end(self, args, state, control, **kwargs):
-        if self.stopped and state.global_step % self.session.sampler.steps_per_epoch:
+        if self.stopped and self.session.sampler.epoch_of(state.global_step)[1]:
             control.should_evaluate = False
 
     def on_save(self, args, state, control, **kwargs):
