@@ -95,7 +95,7 @@ def test_slug_is_used_everywhere(baked):
     assert project_files(project) == expected_files("acme_train", "all", "2")
 
 
-GENERATED_SUITE_TIMEOUT_S = 3600  # the default bake's whole suite: 39 minutes on a 2-core Xeon VM (2026-12)
+GENERATED_SUITE_TIMEOUT_S = 3600  # the default bake's slow tier: about 40 minutes on a 2-core Xeon VM (2026-12)
 
 
 def run_generated_suite(project: Path, *pytest_args: str) -> subprocess.CompletedProcess:
@@ -105,12 +105,14 @@ def run_generated_suite(project: Path, *pytest_args: str) -> subprocess.Complete
                           cwd=project, env=env, capture_output=True, text=True, timeout=GENERATED_SUITE_TIMEOUT_S)
 
 
-# The task only sets the generated config's default: the whole suite runs on the default bake,
-# and the parity tests run again on the other, for its loss (the mean over examples), in the 1x1
+# The task only sets the generated config's default: the whole suite runs on the default bake (its
+# slow tier here; its fast tier is the CI workflow's `make test`, which test_team runs in the same
+# bake, the default answers), and the parity tests run again on the other, for its loss (the mean
+# over examples), in the 1x1
 # and 2x4 cells (2x4 holds both data parallelism and accumulation; 1x4 and 2x1 are the default
 # bake's), less what does not depend on the task: two torchrun agents, sync counts, the lr of
 # every cell, and the packed cells (causal_lm's).
-TASK_SUITES = {"causal_lm": [],
+TASK_SUITES = {"causal_lm": ["-m", "slow"],
                "sequence_classification": ["tests/test_parity.py", "-k", "not two_torchrun_agents and not ddp_syncs "
                                            "and not learning_rate and not packed and not 1x4 and not 2x1"]}
 

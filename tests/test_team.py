@@ -99,7 +99,8 @@ def baked_copy(baked, tmp_path: Path, **answers) -> Path:
 @pytest.mark.slow
 def test_the_workflows_commands_pass_in_a_bake(baked, tmp_path):
     """Every `run:` of the fast job after the install, in order, in a fresh bake whose .venv is this
-    pinned environment, with the workflow's own environment variables."""
+    pinned environment, with the workflow's own environment variables. Its `make test` is the
+    default bake's fast tier (test_bake runs that bake's slow tier)."""
     project = baked_copy(baked, tmp_path, ci="github")
     local_venv(project)
     workflow = yaml.safe_load((project / ".github" / "workflows" / "ci.yml").read_text())

@@ -1,10 +1,11 @@
 """`make demo`: bake the template with its defaults into a temporary folder, train the project
 with each of its three entry points on 2 CPU processes (torchrun, gloo on loopback, the same seed
 and data), and plot their loss per optimizer step on one figure, `docs/loss_curves.png` of the
-baked project (the curves overlap: the entry points train the same).
+baked project (the curves overlap: the entry points train the same), and the gradient noise scale
+of the first run against its global batch, `docs/noise_scale.png`.
 
-The project ships such a figure (the generated README shows it); to refresh the template's copy
-from a demo, copy the printed loss_curves.png to `{{cookiecutter.project_slug}}/docs/`."""
+The project ships such figures (the generated README and docs/batch.md show them); to refresh the
+template's copies from a demo, copy the printed PNGs to `{{cookiecutter.project_slug}}/docs/`."""
 
 import os
 import subprocess
@@ -37,12 +38,14 @@ def main() -> int:
         if code:
             return code
     figure = project / "docs" / "loss_curves.png"
+    noise = project / "docs" / "noise_scale.png"
     plot = [sys.executable, "-m", "benchmarks.loss_curves", *map(str, runs), "--out", str(figure),
-            "--title", "Training loss per optimizer step: 3 entry points, 2 CPU processes each"]
+            "--title", "Training loss per optimizer step: 3 entry points, 2 CPU processes each",
+            "--noise", str(noise)]
     code = subprocess.run(plot, cwd=project, env={**env, "PYTHONPATH": "src"}, timeout=TRAIN_TIMEOUT_S).returncode
     if code == 0:
         print(f"\nbaked project:  {project}\nruns:           {runs[0].parent}/<entry>/ (metrics.jsonl, final_model/)"
-              f"\nloss curves:    {figure}")
+              f"\nloss curves:    {figure}\nnoise scale:    {noise}")
     return code
 
 

@@ -270,21 +270,26 @@ def test_out_of_memory_mid_run_retries_the_window_with_half_the_micro_batch(runs
 
 @pytest.mark.slow
 @needs_a_loop
-def test_out_of_memory_in_the_synchronising_micro_step_ends_the_job_and_its_restart_goes_on(runs, tmp_path):
-    """There nothing can be agreed (rank 0 waits in the all-reduce): one line, and the restart
+@pytest.mark.parametrize("spec,checkpoints", [
+    ("1:4:7:2", ["step_1", "step_2"]),  # step 3's second micro-step: the window's synchronising one
+    ("1:4:4:2", ["step_1"]),  # step 2's first: the job's second window, whose forward rebuilds DDP's buckets
+])
+def test_out_of_memory_in_a_synchronising_micro_step_ends_the_job_and_its_restart_goes_on(runs, tmp_path, spec,
+                                                                                        checkpoints):
+    """There nothing can be agreed (rank 0 waits in a collective): one line, and the restart
     resumes from the newest checkpoint at the next smaller micro batch."""
     entry, out = LOOPS[0], tmp_path / "run"
     flags = {**AUTO, "save_steps": 1}
-    failed = injected(entry, "1:4:7:2", out, runs.env, flags)  # step 3's second (synchronising) micro-step
+    failed = injected(entry, spec, out, runs.env, flags)
     assert failed.returncode == 1
     lines = [line for line in failed.stderr.splitlines() if line.startswith("error: rank 1 ran out of memory")]
     assert len(lines) == 1, failed.stderr[-3000:]
     assert "continues from the newest checkpoint with micro batch 2" in lines[0]
     assert (out / "auto_micro_batch_size").read_text() == "2\n"
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == checkpoints
     restarted = run_entry(entry, 2, out, runs.env, {**flags, "resume_from_checkpoint": "auto"})
     assert restarted.returncode == 0, restarted.stderr[-3000:]
-    assert [r["micro_batch_size"] for r in restarted.steps[2:]] == [2] * 4
+    assert [r["micro_batch_size"] for r in restarted.steps[len(checkpoints):]] == [2] * (6 - len(checkpoints))
     fixed = runs(entry, 2, **{**AUTO, "micro_batch_size": 2, "memory_budget_mb": 0})
     assert max_abs_diff(restarted.params(), fixed.params()) <= TOL.param
     assert math.isfinite(restarted.steps[-1]["loss"])

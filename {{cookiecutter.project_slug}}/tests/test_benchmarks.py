@@ -37,6 +37,8 @@ def test_no_sync_sends_one_gradient_per_optimizer_step(tmp_path):
         assert by_variant[k, False]["bytes_per_step"] == k * gradient
         assert by_variant[k, False]["allreduce_calls_per_step"] == k * buckets
     assert (tmp_path / "communication.png").stat().st_size > 0
+    (noise,) = json.loads((tmp_path / "results.json").read_text())["noise_scale"]
+    assert noise["pairs"] == 2 and noise["with_s"] > 0 and noise["without_s"] > 0
     report(f"communication: one gradient = {gradient:,} bytes in {buckets:g} all-reduces per optimizer step "
            f"with no_sync (k = 1 and 4); k times that without")
 
@@ -59,13 +61,15 @@ def test_loss_curves_plots_every_run(tmp_path):
     for name, offset in (("pytorch", 0.0), ("trainer", 1e-3)):
         run = tmp_path / name
         run.mkdir()
-        records = [{"step": s, "loss": 5.0 - s / 10 + offset, "elapsed_s": s / 10} for s in range(1, 6)]
+        records = [{"step": s, "loss": 5.0 - s / 10 + offset, "elapsed_s": s / 10, "world_size": 2,
+                    "global_batch_size": 16, **({"grad_noise_scale": 3.0 * s} if s > 1 else {})} for s in range(1, 6)]
         records.append({"step": 5, "eval_loss": 4.2})
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         runs.append(run)
     out = tmp_path / "curves.png"
-    loss_curves.main([*map(str, runs), "--out", str(out)])
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    loss_curves.main([*map(str, runs), "--out", str(out), "--noise", str(tmp_path / "noise.png")])
+    for png in (out, tmp_path / "noise.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert loss_curves.largest_difference([loss_curves.losses(run) for run in runs]) == pytest.approx(1e-3)
 
 

@@ -42,7 +42,7 @@ from conftest import (
 )
 
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "micro_steps", "grad_sync_calls",
-             "world_size", "grad_accum_steps", "micro_batch_size", "global_batch_size", "elapsed_s",
+             "world_size", "grad_accum_steps", "micro_batch_size", "global_batch_size", "elapsed_s", "input_tokens",
              "grad_sq_norm", "grad_trace"}  # the last two: this step's noise-scale estimates (DDP, 2 processes)
 EVAL_KEYS = {"causal_lm": {"step", "eval_loss", "eval_perplexity"},
              "sequence_classification": {"step", "eval_loss", "eval_accuracy", "eval_f1"}}

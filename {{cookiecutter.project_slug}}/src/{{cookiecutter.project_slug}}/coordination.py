@@ -13,7 +13,7 @@ import math
 import os
 from pathlib import Path
 
-from .batch import BatchPlan
+from .batch import BatchPlan, parse_schedule
 from .config import TrainConfig
 from .distributed import DistEnv
 from .errors import ConfigError
@@ -24,11 +24,12 @@ def check_back_end(cfg: TrainConfig, env: DistEnv, entry: str) -> None:
     train something else silently."""
     on_accelerate = entry != "pytorch"  # train_accelerate and train_trainer run on Accelerate
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    if cfg.global_batch_size_schedule and entry == "trainer":
+    grows = len(parse_schedule(cfg.global_batch_size_schedule, cfg.global_batch_size)) > 1
+    if grows and entry == "trainer":
         raise ConfigError("train_trainer cannot follow global_batch_size_schedule: the Trainer fixes "
                           "gradient_accumulation_steps for the whole run in its own loop; use train_pytorch or "
                           "train_accelerate, or drop the schedule")
-    if cfg.global_batch_size_schedule and deepspeed_config_path(cfg):
+    if grows and deepspeed_config_path(cfg):
         raise ConfigError("global_batch_size_schedule with DeepSpeed: DeepSpeed's engine fixes its batch keys "
                           "(gradient_accumulation_steps, train_batch_size) when it starts; drop --deepspeed or the "
                           "schedule")

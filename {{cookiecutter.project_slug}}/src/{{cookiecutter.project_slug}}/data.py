@@ -15,7 +15,9 @@ specialises a dimension of size 1, so a remainder of one example would compile a
 """
 
 import bisect
+import itertools
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -53,27 +55,29 @@ class WindowSampler(Sampler):
     def _epoch(self, epoch: int) -> tuple[list[int], list[int]]:
         """(the global batch of each step of `epoch`, where each begins in its permutation)."""
         if self._sizes is None or self._sizes[0] != epoch:
-            sizes, offsets, offset, step = [], [], 0, self.first_step(epoch)
-            while offset < self.num_examples:
-                size = min(self.plan.global_batch_at(step), self.num_examples - offset)
-                sizes.append(size)
-                offsets.append(offset)
-                offset, step = offset + size, step + 1
-            self._sizes = epoch, (sizes, offsets)
+            sizes = [size for size, count in self._runs(self.first_step(epoch)) for _ in range(count)]
+            self._sizes = epoch, (sizes, list(itertools.accumulate(sizes[:-1], initial=0)))
         return self._sizes[1]
+
+    def _runs(self, first_step: int) -> Iterator[tuple[int, int]]:
+        """The epoch that begins at the run's step `first_step`, as (global batch, steps) runs: the
+        schedule's sizes, then the remainder (one step) when the examples do not divide."""
+        offset, step = 0, first_step
+        while offset < self.num_examples:
+            size = self.plan.global_batch_at(step)
+            full = (self.num_examples - offset) // size
+            if not full:
+                yield self.num_examples - offset, 1
+                return
+            later = [start - step for start, _ in self.plan.schedule if start > step]
+            count = min([full, *later[:1]])
+            yield size, count
+            offset, step = offset + size * count, step + count
 
     def epoch_of(self, step: int) -> tuple[int, int]:
         """(epoch, its steps done) after `step` optimizer steps of the run."""
         while self._firsts[-1] <= step:
-            step_at, offset = self._firsts[-1], 0
-            while offset < self.num_examples:  # one schedule segment at a time
-                size = self.plan.global_batch_at(step_at)
-                steps = math.ceil((self.num_examples - offset) / size)
-                later = [start for start, _ in self.plan.schedule if start > step_at]
-                if later:
-                    steps = min(steps, later[0] - step_at)
-                offset, step_at = offset + steps * size, step_at + steps
-            self._firsts.append(step_at)
+            self._firsts.append(self._firsts[-1] + sum(count for _, count in self._runs(self._firsts[-1])))
         epoch = bisect.bisect_right(self._firsts, step) - 1
         return epoch, step - self._firsts[epoch]
 
@@ -111,9 +115,16 @@ class WindowSampler(Sampler):
         share = math.ceil(self.epoch_sizes(self.epoch if epoch is None else epoch)[step] / self.plan.world_size)
         return math.ceil(share / self.plan.micro_batch_size)
 
-    def window(self, epoch: int, step: int) -> list[list[tuple[int, bool]]]:
+    def examples(self, step: int) -> np.ndarray:
+        """The examples of the run's optimizer step after `step` steps done, on all ranks."""
+        return self._examples(*self.epoch_of(step))
+
+    def _examples(self, epoch: int, step: int) -> np.ndarray:
         sizes, offsets = self._epoch(epoch)
-        order = self.permutation(epoch)[offsets[step]:offsets[step] + sizes[step]].tolist()
+        return self.permutation(epoch)[offsets[step]:offsets[step] + sizes[step]]
+
+    def window(self, epoch: int, step: int) -> list[list[tuple[int, bool]]]:
+        order = self._examples(epoch, step).tolist()
         share = order[self.rank::self.plan.world_size]
         b = self.plan.micro_batch_size
         rows = min(self.min_rows, b)

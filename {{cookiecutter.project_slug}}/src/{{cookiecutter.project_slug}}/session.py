@@ -8,15 +8,19 @@ fails the same way on every rank.)
 
 `--micro_batch_size auto` also holds at run time in train_pytorch and train_accelerate on DDP (or
 one process): an out-of-memory error in a micro-step that does not synchronise is noted, the ranks
-agree once per window, just before its synchronising micro-step (no collective runs before it: DDP
-broadcasts no buffers here), and every rank then drops the window and takes the same window again
-in micro-batches half as large, accumulating twice as many: the same examples, the same global
-batch. The smaller micro batch is kept for the rest of the run (checkpoints record it; a resumed
-auto run searches no higher). An out-of-memory error in the synchronising micro-step itself leaves
-the other ranks waiting in its all-reduce: the job stops with one line, and its restart continues
-from the newest checkpoint with the smaller micro batch (noted in output_dir/auto_micro_batch_size).
+agree once per window, just before its synchronising micro-step (DDP broadcasts no buffers here, so
+the micro-steps before it run no collective), and every rank then drops the window and takes the
+same window again in micro-batches half as large, accumulating twice as many: the same examples,
+the same global batch, from the same random state. The smaller micro batch is kept for the rest of
+the run (checkpoints record it; a resumed auto run searches no higher). An out-of-memory error in a
+micro-step that synchronises leaves the other ranks waiting in its all-reduce: the job stops with
+one line, and its restart continues from the newest checkpoint with the smaller micro batch (noted
+in output_dir/auto_micro_batch_size). Synchronising: the window's last micro-step, every one with
+accumulation 1 or ddp_no_sync false, and on 2 or more processes every one of the job's second
+window, whose first forward pass rebuilds DDP's buckets (a broadcast, and new buffers).
 """
 
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -24,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import pyarrow.compute as pc
 import torch
 import transformers
 
@@ -57,14 +63,26 @@ AUTO_CEILING = "auto_micro_batch_size"  # in output_dir: the micro batch a resta
 
 
 def auto_ceiling(cfg: TrainConfig, state: dict | None) -> int:
-    """The largest micro batch a --micro_batch_size auto search may choose (0: no limit): the
-    resumed checkpoint's, or the one noted after an out-of-memory error in a synchronising micro-step."""
-    resumed_auto = state and state["config"].get("micro_batch_size") == "auto" and "micro_batch_size" in state
-    ceilings = [int(state["micro_batch_size"])] if resumed_auto else []
+    """The largest micro batch a --micro_batch_size auto search may choose (0: no limit), left by an
+    out-of-memory error: the one the resumed checkpoint records, or the one noted after an error in
+    a synchronising micro-step."""
+    ceilings = [int(state["auto_micro_batch_ceiling"])] if state and state.get("auto_micro_batch_ceiling") else []
     note = Path(cfg.output_dir) / AUTO_CEILING
     if note.is_file() and note.read_text().strip().isdigit():
         ceilings.append(int(note.read_text()))
     return min(ceilings, default=0)
+
+
+def get_random_state(device: torch.device) -> tuple:
+    """torch's generators (CPU, and the device's on CUDA): what dropout draws from."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None, device
+
+
+def set_random_state(state: tuple) -> None:
+    cpu, cuda, device = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def make_output_dir(output_dir: str) -> None:
@@ -115,6 +133,7 @@ class Session:
     out_of_memory: bool = False  # this rank ran out of memory in the current window
     retrying: bool = False  # the current window is dropped: it comes again in smaller micro-batches
     oom_retries: int = 0  # windows dropped since the last record
+    ceiling: int = 0  # the micro batch an out-of-memory error left (0: none): auto searches no higher
 
     @classmethod
     def start(cls, cfg: TrainConfig, entry: str, on_accelerate: bool) -> "Session":
@@ -135,7 +154,7 @@ class Session:
                 raise RunFinished(f"already done at step {state['step']}: {resume} (nothing changed)")
             check_same_entry(state, entry, backend, resume)
         make_output_dir(cfg.output_dir)
-        auto = cfg.micro_batch_size == "auto"
+        auto, ceiling = cfg.micro_batch_size == "auto", 0
         if auto:
             check_auto_micro_batch(cfg, env)
         else:
@@ -154,7 +173,8 @@ class Session:
             note_versions(state, resume)
         if auto:  # the one search needs the process group: every rank must agree on the result
             init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s)
-            micro_batch_size, chosen_by = auto_micro_batch_size(cfg, config, env, auto_ceiling(cfg, state))
+            ceiling = auto_ceiling(cfg, state)
+            micro_batch_size, chosen_by = auto_micro_batch_size(cfg, config, env, ceiling)
             plan = plan_batches(cfg.global_batch_size, micro_batch_size, env.world_size, chosen_by,
                                 cfg.global_batch_size_schedule)
         check_launcher_env(plan)
@@ -166,7 +186,8 @@ class Session:
         return cls(cfg, env, entry, backend, plan, resume, tokenizer, config, data, prepared.folder, sampler,
                    total_steps(cfg, sampler), ds_config, PreemptionSignal(), start_step,
                    peak_flops=peak_flops(cfg, env.device), noise=NoiseScale(*(state or {}).get("grad_noise", ())),
-                   adaptive=auto and entry != "trainer" and backend == "ddp" and not fsdp)
+                   adaptive=auto and entry != "trainer" and backend == "ddp" and not fsdp,
+                   ceiling=ceiling)
 
     def init_distributed(self) -> None:
         """Join the process group (once; one process joins none, unless it runs DeepSpeed)."""
@@ -178,7 +199,8 @@ class Session:
         it before it continues."""
         return {"step": step, "world_size": self.env.world_size, "entry": self.entry, "backend": self.backend,
                 "total_steps": self.total_steps, "num_train_examples": len(self.data["train"]),
-                "micro_batch_size": self.plan.micro_batch_size, "grad_noise": self.noise.state(),
+                "micro_batch_size": self.plan.micro_batch_size, "auto_micro_batch_ceiling": self.ceiling,
+                "grad_noise": self.noise.state(),
                 "config": self.cfg.to_dict(), "versions": library_versions()}
 
     def announce(self, entry: str, model) -> None:
@@ -214,14 +236,17 @@ class Session:
         """From start_step on: the optimizer step each window completes, and its micro-batches on
         this process (the step's grad_accum_steps of them, fewer in an epoch's short last window).
         A window dropped for an out-of-memory error comes again, cut into the smaller micro-batches."""
-        step = self.start_step
+        step, random_state = self.start_step, None
         while step < self.total_steps:
             epoch, s = self.sampler.epoch_of(step)
             self.sampler.set_epoch(epoch, s)
-            micro_batches = iter(loader)
+            micro_batches = iter(loader)  # (draws the loader's seed from torch's generator)
+            if random_state is not None:  # a window taken again: from where the dropped attempt began
+                set_random_state(random_state)
             end = min(self.sampler.steps_per_epoch, s + self.total_steps - step)
             while s < end:
                 window = [next(micro_batches) for _ in range(self.sampler.micro_steps(s))]
+                random_state = get_random_state(self.env.device) if self.adaptive else None
                 yield step + 1, window
                 if self.retrying:  # the loader starts again at this window, with the smaller micro batch
                     self.retrying = False
@@ -234,7 +259,7 @@ class Session:
         out-of-memory error in a micro-step that does not synchronise is noted (the window is then
         dropped on every rank, `window_fits`); in one that does (the window's last, or every one with
         ddp_no_sync false) it stops the job."""
-        syncs = is_last or (self.env.world_size > 1 and not self.cfg.ddp_no_sync)
+        syncs = is_last or self.every_micro_step_syncs()
         if not self.adaptive:
             yield
             return
@@ -251,31 +276,39 @@ class Session:
         tiny all-reduce per window, with micro_batch_size auto at run time (else always True). When
         not, every rank returns False: the caller drops the window's gradients, and the window comes
         again in micro-batches of the next smaller size."""
-        if not self.adaptive:
+        if not self.adaptive or self.every_micro_step_syncs():  # nothing can have been noted
             return True
         failed = all_reduce_sum(torch.tensor(float(self.out_of_memory), device=self.env.device)).item()
         self.out_of_memory = False
         if not failed:
             return True
-        per_rank = self.plan.global_batch_size // self.env.world_size
-        smaller = smaller_micro_batch(per_rank, self.plan.micro_batch_size)
+        smaller = self.next_micro_batch()
         if not smaller:
             raise JobFailed(f"out of memory on {failed:g} process(es) at micro batch 1: not even one example fits; "
                             "use gradient_checkpointing, mixed_precision or a shorter max_seq_len",
                             agreed=True)
         self.plan = self.sampler.plan = self.plan.with_micro_batch(
             smaller, f"{smaller} after an out-of-memory error at {self.plan.micro_batch_size}")
-        self.retrying, self.oom_retries = True, self.oom_retries + 1
+        self.retrying, self.oom_retries, self.ceiling = True, self.oom_retries + 1, smaller
         if self.env.device.type == "cuda":
             torch.cuda.empty_cache()  # what the failed attempt held goes back to the device
         return False
+
+    def every_micro_step_syncs(self) -> bool:
+        """Whether each micro-step of this window runs a collective (see the module docstring)."""
+        several = self.env.world_size > 1
+        return several and (not self.cfg.ddp_no_sync or self.job_steps == 1)
+
+    def next_micro_batch(self) -> int:
+        """The micro batch after an out-of-memory error: the largest divisor of the first global
+        batch's share at most half the current one (0 below 1)."""
+        return smaller_micro_batch(self.plan.global_batch_size // self.env.world_size, self.plan.micro_batch_size)
 
     def _oom_in_sync(self, err: BaseException) -> JobFailed:
         """The job's end after an out-of-memory error in a synchronising micro-step: the other ranks
         wait in its all-reduce, so nothing can be agreed. The next smaller micro batch is noted for
         the restart (auto_ceiling)."""
-        per_rank = self.plan.global_batch_size // self.env.world_size
-        smaller = smaller_micro_batch(per_rank, self.plan.micro_batch_size)
+        smaller = self.next_micro_batch()
         note = Path(self.cfg.output_dir) / AUTO_CEILING
         if smaller:
             note.write_text(f"{smaller}\n")
@@ -287,19 +320,28 @@ class Session:
 
     def record(self, step: int, values: dict, elapsed_s: float) -> dict:
         """The metrics.jsonl object of an optimizer step, with its MFU where the peak is known:
-        model FLOPs of the step's real tokens over the step's time, over the peak of every device."""
+        model FLOPs of the step's input tokens (padding aside) over the step's time, over the peak
+        of every device. `tokens` are the targets the loss counts (for classification, one per
+        example), `input_tokens` what the model reads."""
         seconds, self.last_elapsed_s = elapsed_s - self.last_elapsed_s, elapsed_s
         record = {"step": step, **values, "world_size": self.env.world_size,
                   "grad_accum_steps": self.plan.accum_at(step - 1), "micro_batch_size": self.plan.micro_batch_size,
                   "global_batch_size": self.plan.global_batch_at(step - 1), "elapsed_s": round(elapsed_s, 3)}
         if self.oom_retries:
             record["oom_retries"], self.oom_retries = self.oom_retries, 0
-        if self.peak_flops and seconds > 0:
-            achieved = self.flops_per_token * values["tokens"] / seconds
+        record["input_tokens"] = int(self.input_lengths[self.sampler.examples(step - 1)].sum())
+        if self.peak_flops and seconds > 0:  # every input token, where the loss counts targets
+            achieved = self.flops_per_token * record["input_tokens"] / seconds
             record["mfu"] = round(achieved / (self.peak_flops * self.env.world_size), 4)
         if self.cfg.compile:
             record["compiled_graphs"] = compiled_graphs()
         return record
+
+    @functools.cached_property
+    def input_lengths(self) -> np.ndarray:
+        """Tokens of each training example (a packed block: max_seq_len), from the prepared data's
+        list offsets: no pass over the tokens."""
+        return pc.list_value_length(self.data["train"].data.column("input_ids")).to_numpy()
 
     @property
     def final_dir(self) -> Path:
@@ -369,8 +411,12 @@ class Session:
         if sync_counter is not None:
             values["grad_sync_calls"] = sync_counter.take()
             local, reduced = sync_counter.take_norms()
-            if self.cfg.ddp_no_sync and self.cfg.mixed_precision != "fp16" and not values.get("step_skipped"):
-                values.update(self.noise.update(local, reduced, self.sampler.size_of(step - 1), self.env.world_size))
+            examples = self.sampler.size_of(step - 1)
+            # estimated where every rank's gradient is of the same number of examples (not in an
+            # epoch's uneven last window); not under fp16, whose loss scale changes the units
+            even = examples % self.env.world_size == 0 and self.cfg.ddp_no_sync
+            if even and self.cfg.mixed_precision != "fp16" and not values.get("step_skipped"):
+                values.update(self.noise.update(local, reduced, examples, self.env.world_size))
         tracker.log(self.record(step, values, tracker.elapsed()))
         self.job_steps += 1
         self.check_finite(step, values, tracker)

@@ -2,7 +2,7 @@
 
 One JSON object per optimizer step (`step`, `loss`, `lr`, `grad_norm`, `tokens`, `micro_steps`,
 `grad_sync_calls`, `world_size`, `grad_accum_steps`, `micro_batch_size`, `global_batch_size`,
-`elapsed_s`; `mfu`, `grad_noise_scale`, `oom_retries` where they apply) and one per evaluation
+`elapsed_s`, `input_tokens`; `mfu`, `grad_noise_scale`, `oom_retries` where they apply) and one per evaluation
 (`step`, `eval_loss`, ...). On resume the file is appended to.
 
 W&B: the W&B step is the optimizer step; training keys go under `train/`, evaluation keys under
@@ -75,6 +75,7 @@ class Progress:
         self.every = log_every or max(1, math.ceil((total_steps - start_step) / self.LINES_PER_RUN))
         self.since = (start_step, 0.0, 0)  # (step, elapsed_s, tokens) at the last line
         self.shape = None  # (global batch, micro batch) at the last line: a change is shown once
+        self.oom = False  # a window was taken again after an out-of-memory error since the last line
         self.bar = None
         if sys.stdout.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stdout, dynamic_ncols=True,
@@ -99,7 +100,7 @@ class Progress:
             parts.append("skipped")
         shape = record["global_batch_size"], record["micro_batch_size"]
         if self.shape is not None and shape != self.shape:
-            why = " after out of memory" if record.get("oom_retries") else ""
+            why = " after out of memory" if self.oom or record.get("oom_retries") else ""
             parts.append(f"batch {shape[0]} = micro {shape[1]}{why} x accum {record['grad_accum_steps']} x world "
                          f"{record['world_size']}")
         return " | ".join(parts)
@@ -124,9 +125,10 @@ class Progress:
         if step % self.every == 0 or step == self.total:
             self.write(text)
             self.since = (step, record["elapsed_s"], 0)
-            self.shape = record["global_batch_size"], record["micro_batch_size"]
+            self.shape, self.oom = (record["global_batch_size"], record["micro_batch_size"]), False
         else:
             self.since = (*self.since[:2], self.since[2] + record["tokens"])
+            self.oom = self.oom or bool(record.get("oom_retries"))
         if step == self.total and self.bar is not None:
             self.bar.close()
 

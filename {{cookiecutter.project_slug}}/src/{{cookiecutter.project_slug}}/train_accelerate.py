@@ -61,14 +61,14 @@ def train_step(accelerator: Accelerator, model, window: list[dict], optimizer, l
     accelerator.step = k - len(window)  # the window's last micro-step is the one that syncs
     lr = optimizer.param_groups[0]["lr"]  # the lr this step applies (DeepSpeed steps inside backward)
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    for micro_step, batch in enumerate(window):
-        batch = {key: value.to(accelerator.device, non_blocking=True) for key, value in batch.items()}
-        labels = batch.pop("labels")
+    for micro_step, micro_batch in enumerate(window):
         is_last = micro_step == len(window) - 1
         if is_last and not session.window_fits():  # micro_batch_size auto: out of memory on some rank
             model.zero_grad(set_to_none=True)  # every rank drops the window (the prepared optimizer
             return None  # zeroes only at a sync); it comes again, smaller
         with session.micro_step(is_last), accelerator.accumulate(model):
+            batch = {key: value.to(accelerator.device, non_blocking=True) for key, value in micro_batch.items()}
+            labels = batch.pop("labels")
             logits = model(**batch).logits
             loss = summed_loss(logits, labels, cfg.task)
             # x k undoes backward()'s (or DeepSpeed's) division by gradient_accumulation_steps;

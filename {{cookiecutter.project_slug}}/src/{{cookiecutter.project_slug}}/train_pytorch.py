@@ -52,15 +52,15 @@ def train_step(ddp_model, forward, window: list[dict], optimizer, lr_scheduler, 
     targets = torch.tensor(float(sum(count_targets(b["labels"], cfg.task) for b in window)), device=env.device)
     num_targets = all_reduce_sum(targets).clamp(min=1).item()  # real targets, all ranks
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-    for micro_step, batch in enumerate(window):
-        batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
-        labels = batch.pop("labels")
+    for micro_step, micro_batch in enumerate(window):
         is_last = micro_step == len(window) - 1
         if is_last and not session.window_fits():  # micro_batch_size auto: out of memory on some rank
             optimizer.zero_grad(set_to_none=True)  # every rank drops the window; it comes again, smaller
             return None
         skip_sync = isinstance(ddp_model, DDP) and cfg.ddp_no_sync and not is_last
         with session.micro_step(is_last), ddp_model.no_sync() if skip_sync else nullcontext():
+            batch = {k: v.to(env.device, non_blocking=True) for k, v in micro_batch.items()}
+            labels = batch.pop("labels")
             with autocast():
                 logits = forward(**batch).logits
             loss = summed_loss(logits, labels, cfg.task)
