@@ -37,7 +37,7 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
                                     "test_continue", "test_data",
                                     "test_faults", "test_inputs", "test_levers", "test_parity", "test_resume",
                                     "test_scripts", "test_speed", "test_wandb")),
-        "tests/test_benchmarks.py", "docs/loss_curves.png",
+        "tests/test_benchmarks.py", "docs/loss_curves.png", "docs/noise_scale.png",
         *(f"benchmarks/{m}.py" for m in ("__init__", "__main__", "abab", "bare_loop", "common", "communication",
                                          "data", "gpu_check", "loss_curves", "memory", "overhead", "startup")),
     }

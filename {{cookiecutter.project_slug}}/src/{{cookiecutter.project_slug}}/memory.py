@@ -149,7 +149,8 @@ def auto_micro_batch_size(cfg: TrainConfig, model_config, env: DistEnv, at_most:
     limit = f"budget {cfg.memory_budget_mb:g} MiB" if budget else f"{env.device.type} memory"
     tried = ", ".join(f"{b}: {peak}" for b, peak in peaks.items())
     if size == 0:
-        raise ConfigError(f"micro_batch_size auto: not even 1 example fits in the {limit} (peak per training "
+        where = "" if local == 0 else " on another process"  # (this one's own search found one)
+        raise ConfigError(f"micro_batch_size auto: not even 1 example fits in the {limit}{where} (peak per training "
                           f"step {tried}); raise --memory_budget_mb, use gradient_checkpointing or mixed_precision")
     capped = f", at most {at_most} (an earlier out-of-memory error)" if at_most else ""
     return size, f"largest within the {limit}{capped}; peak per step {tried}"

@@ -315,7 +315,7 @@ class Session:
         then = (f"its restart (torchrun --max_restarts, a requeue, --resume_from_checkpoint auto) continues from "
                 f"the newest checkpoint with micro batch {smaller} ({note})" if smaller else
                 "not even one example fits: use gradient_checkpointing, mixed_precision or a shorter max_seq_len")
-        return JobFailed(f"rank {self.env.rank} ran out of memory in the synchronising micro-step at micro batch "
+        return JobFailed(f"rank {self.env.rank} ran out of memory in a synchronising micro-step at micro batch "
                          f"{self.plan.micro_batch_size} ({first_line(err)}); the job stops, {then}")
 
     def record(self, step: int, values: dict, elapsed_s: float) -> dict:
