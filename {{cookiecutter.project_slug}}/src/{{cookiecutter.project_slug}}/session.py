@@ -257,8 +257,8 @@ class Session:
     def micro_step(self, is_last: bool):
         """Around one micro-step of an entry point's loop: with micro_batch_size auto at run time, an
         out-of-memory error in a micro-step that does not synchronise is noted (the window is then
-        dropped on every rank, `window_fits`); in one that does (the window's last, or every one with
-        ddp_no_sync false) it stops the job."""
+        dropped on every rank, `window_fits`); in one that does (the module docstring says which)
+        it stops the job."""
         syncs = is_last or self.every_micro_step_syncs()
         if not self.adaptive:
             yield
