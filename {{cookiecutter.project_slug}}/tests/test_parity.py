@@ -97,6 +97,10 @@ def test_entry_points_agree(runs, shape, packed):
         for a, b in zip(reference.steps, other.steps, strict=True):
             assert (a["lr"], a["tokens"], a["micro_steps"]) == (b["lr"], b["tokens"], b["micro_steps"])
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=max(1e-5, TOL.loss))
+            assert ("grad_noise_scale" in a) == ("grad_noise_scale" in b)
+            if "grad_noise_scale" in a:  # the same DDP hook reads the same gradients in every entry point
+                assert a["grad_noise_scale"] == pytest.approx(b["grad_noise_scale"], rel=max(1e-5, TOL.loss))
+        assert ("grad_noise_scale" in reference.steps[-1]) == (shape[0] > 1)  # DDP on 2 processes
         assert reference.evals[0]["eval_loss"] == pytest.approx(other.evals[0]["eval_loss"], abs=TOL.loss)
         param_diff, loss_diff = max_abs_diff(reference.params(), other.params()), max_loss_diff(reference, other)
         report(f"parity {'causal_lm packed' if packed else TASK} {MIXED_PRECISION} {ENTRIES[0]} vs {entry} at "
