@@ -100,10 +100,10 @@ def plan_batches(global_batch_size: int, micro_batch_size: int, world_size: int,
     return BatchPlan(micro_batch_size, world_size, parse_schedule(schedule, global_batch_size), chosen_by)
 
 
-def smaller_micro_batch(per_rank: int, micro_batch_size: int) -> int:
-    """The largest divisor of `per_rank` at most half `micro_batch_size` (the global batch stays
-    exact); 0 below 1."""
-    return max((d for d in range(1, micro_batch_size // 2 + 1) if per_rank % d == 0), default=0)
+def largest_divisor(per_rank: int, at_most: int) -> int:
+    """The largest micro batch up to `at_most` that divides `per_rank` (so the global batch stays
+    exact); 0 when `at_most` is below 1."""
+    return max((d for d in range(1, at_most + 1) if per_rank % d == 0), default=0)
 
 
 def largest_fitting(per_rank: int, fits: Callable[[int], bool], at_most: int = 0) -> int:
@@ -111,9 +111,9 @@ def largest_fitting(per_rank: int, fits: Callable[[int], bool], at_most: int = 0
     world_size, accumulation 1; or its largest divisor up to `at_most`) down by halving: each
     candidate is the largest divisor of `per_rank` at most half the last one, so the global batch
     stays exact. 0 when even 1 does not fit."""
-    candidate = smaller_micro_batch(per_rank, 2 * min(at_most or per_rank, per_rank))
+    candidate = largest_divisor(per_rank, min(at_most or per_rank, per_rank))
     while candidate and not fits(candidate):
-        candidate = smaller_micro_batch(per_rank, candidate)
+        candidate = largest_divisor(per_rank, candidate // 2)
     return candidate
 
 

@@ -19,11 +19,16 @@ from .distributed import DistEnv
 from .errors import ConfigError
 
 
+def uses_fsdp() -> bool:
+    """Whether `accelerate launch` was given an FSDP config (it exports ACCELERATE_USE_FSDP)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def check_back_end(cfg: TrainConfig, env: DistEnv, entry: str) -> None:
     """Refuse what an entry point (pytorch | accelerate | trainer) cannot run, instead of letting it
     train something else silently."""
     on_accelerate = entry != "pytorch"  # train_accelerate and train_trainer run on Accelerate
-    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    fsdp = uses_fsdp()
     grows = len(parse_schedule(cfg.global_batch_size_schedule, cfg.global_batch_size)) > 1
     if grows and entry == "trainer":
         raise ConfigError("train_trainer cannot follow global_batch_size_schedule: the Trainer fixes "

@@ -81,11 +81,6 @@ class WindowSampler(Sampler):
         epoch = bisect.bisect_right(self._firsts, step) - 1
         return epoch, step - self._firsts[epoch]
 
-    def size_of(self, step: int) -> int:
-        """The global batch of the run's optimizer step after `step` steps done (at an epoch's end, the remainder)."""
-        epoch, done = self.epoch_of(step)
-        return self.epoch_sizes(epoch)[done]
-
     def first_step(self, epoch: int) -> int:
         """The run's step at which `epoch` begins (the steps of the epochs before it)."""
         while len(self._firsts) <= epoch:

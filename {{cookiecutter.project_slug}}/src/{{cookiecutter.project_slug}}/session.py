@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import torch
 import transformers
 
-from .batch import BatchPlan, plan_batches, smaller_micro_batch
+from .batch import BatchPlan, largest_divisor, plan_batches
 from .checkpoint import (
     check_same_entry,
     check_same_training,
@@ -48,7 +48,7 @@ from .checkpoint import (
     write_atomically,
 )
 from .config import TrainConfig
-from .coordination import check_back_end, check_launcher_env, deepspeed_config, deepspeed_config_path
+from .coordination import check_back_end, check_launcher_env, deepspeed_config, deepspeed_config_path, uses_fsdp
 from .data import Collator, WindowSampler, eval_dataloader, loading, train_dataloader
 from .distributed import DistEnv, PreemptionSignal, all_reduce_sum, dist_env, init_distributed, print0
 from .errors import ConfigError, JobFailed, RunFinished, first_line
@@ -68,8 +68,9 @@ def auto_ceiling(cfg: TrainConfig, state: dict | None) -> int:
     a synchronising micro-step."""
     ceilings = [int(state["auto_micro_batch_ceiling"])] if state and state.get("auto_micro_batch_ceiling") else []
     note = Path(cfg.output_dir) / AUTO_CEILING
-    if note.is_file() and note.read_text().strip().isdigit():
-        ceilings.append(int(note.read_text()))
+    noted = note.read_text().strip() if note.is_file() else ""
+    if noted.isdigit():
+        ceilings.append(int(noted))
     return min(ceilings, default=0)
 
 
@@ -182,11 +183,10 @@ class Session:
         sampler = WindowSampler(len(data["train"]), plan, env.rank, cfg.seed, min_rows=2 if cfg.compile else 1)
         start_step = int(state["step"]) if state else 0
         set_tf32(cfg, env.device)
-        fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
         return cls(cfg, env, entry, backend, plan, resume, tokenizer, config, data, prepared.folder, sampler,
                    total_steps(cfg, sampler), ds_config, PreemptionSignal(), start_step,
                    peak_flops=peak_flops(cfg, env.device), noise=NoiseScale(*(state or {}).get("grad_noise", ())),
-                   adaptive=auto and entry != "trainer" and backend == "ddp" and not fsdp,
+                   adaptive=auto and entry != "trainer" and backend == "ddp" and not uses_fsdp(),
                    ceiling=ceiling)
 
     def init_distributed(self) -> None:
@@ -302,7 +302,7 @@ class Session:
     def next_micro_batch(self) -> int:
         """The micro batch after an out-of-memory error: the largest divisor of the first global
         batch's share at most half the current one (0 below 1)."""
-        return smaller_micro_batch(self.plan.global_batch_size // self.env.world_size, self.plan.micro_batch_size)
+        return largest_divisor(self.plan.global_batch_size // self.env.world_size, self.plan.micro_batch_size // 2)
 
     def _oom_in_sync(self, err: BaseException) -> JobFailed:
         """The job's end after an out-of-memory error in a synchronising micro-step: the other ranks
@@ -411,7 +411,7 @@ class Session:
         if sync_counter is not None:
             values["grad_sync_calls"] = sync_counter.take()
             local, reduced = sync_counter.take_norms()
-            examples = self.sampler.size_of(step - 1)
+            examples = len(self.sampler.examples(step - 1))  # the remainder at an epoch's end
             # estimated where every rank's gradient is of the same number of examples (not in an
             # epoch's uneven last window); not under fp16, whose loss scale changes the units
             even = examples % self.env.world_size == 0 and self.cfg.ddp_no_sync
