@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from {{ cookiecutter.project_slug }} import session as session_module
-from {{ cookiecutter.project_slug }}.config import run_cli
+from {{ cookiecutter.project_slug }}.cli import run_cli
 from {{ cookiecutter.project_slug }}.model import build_model
 from {{ cookiecutter.project_slug }}.optim import build_optimizer, build_scheduler
 
@@ -45,9 +45,10 @@ class Interleaver:
 
     def bare_step(self, session, window: list[dict]) -> None:
         if self.bare is None:
-            model = build_model(session.cfg, session.model_config).to(session.env.device)
+            model = build_model(session.cfg, session.run.model_config).to(session.env.device)
             optimizer = build_optimizer(model, session.cfg, session.env.device)
-            self.bare = model, optimizer, build_scheduler(optimizer, session.cfg, session.total_steps, session.plan)
+            self.bare = model, optimizer, build_scheduler(optimizer, session.cfg, session.run.total_steps,
+                                                          session.plan)
         model, optimizer, lr_scheduler = self.bare
         start = time.process_time()
         optimizer_step(model, window, optimizer, session.cfg, session.env.device)
@@ -64,11 +65,11 @@ def interleave_windows(clock: Interleaver):
         while True:
             asked = time.process_time()
             try:
-                step, window = next(iterator)
+                window = next(iterator)
             except StopIteration:
                 return
-            clock.hand_over(self, window, time.process_time() - asked)
-            yield step, window
+            clock.hand_over(self, window.micro_batches, time.process_time() - asked)
+            yield window
 
     session_module.Session.windows = timed
 

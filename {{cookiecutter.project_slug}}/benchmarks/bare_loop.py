@@ -1,6 +1,6 @@
 """The anchor of the GPU check: a training loop written the way karpathy/nanoGPT's train.py writes
 its own, on the project's model, data windows and optimizer settings, and nothing else: TF32 (set
-by Session.start), fused AdamW, bf16 autocast, torch.compile, accumulation with the loss divided by
+by startup.start), fused AdamW, bf16 autocast, torch.compile, accumulation with the loss divided by
 the micro-steps, clipping, one step per window; one process. It
 logs nothing but `metrics.jsonl` with the step, its real tokens and `elapsed_s`, so its tokens per
 second and MFU compare one to one with the entry points'.
@@ -15,25 +15,28 @@ from pathlib import Path
 
 import torch
 
-from {{ cookiecutter.project_slug }}.config import TrainConfig, run_cli
+from {{ cookiecutter.project_slug }}.cli import run_cli
+from {{ cookiecutter.project_slug }}.config import TrainConfig
 from {{ cookiecutter.project_slug }}.model import autocast_for, build_model, count_targets, summed_loss
 from {{ cookiecutter.project_slug }}.optim import build_optimizer, build_scheduler
 from {{ cookiecutter.project_slug }}.session import Session
+from {{ cookiecutter.project_slug }}.startup import start
 
 
 def train(cfg: TrainConfig) -> None:
-    session = Session.start(cfg, entry="bare", on_accelerate=False)
-    device = session.env.device
-    model = build_model(cfg, session.model_config).to(device)
+    run = start(cfg, entry="bare")
+    device = run.env.device
+    model = build_model(cfg, run.model_config).to(device)
     optimizer = build_optimizer(model, cfg, device)  # fused AdamW on CUDA
-    lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps, session.plan)
+    lr_scheduler = build_scheduler(optimizer, cfg, run.total_steps, run.plan)
     forward = torch.compile(model) if cfg.compile else model
     ctx = autocast_for(cfg, device)  # bf16 autocast (nanoGPT's ctx), or none in fp32
+    session = Session(run, model)
     train_loader, _ = session.loaders()
-    records, start = [], time.perf_counter()
-    for step, window in session.windows(train_loader):
+    records, began = [], time.perf_counter()
+    for window in session.windows(train_loader):
         tokens = 0
-        for micro_batch in window:
+        for micro_batch in window.micro_batches:
             batch = {k: v.to(device, non_blocking=True) for k, v in micro_batch.items()}
             labels = batch.pop("labels")
             targets = count_targets(micro_batch["labels"], cfg.task)
@@ -41,14 +44,14 @@ def train(cfg: TrainConfig) -> None:
             with ctx:
                 logits = forward(**batch).logits
             loss = summed_loss(logits, labels, cfg.task) / max(targets, 1)
-            (loss / len(window)).backward()  # nanoGPT: the mean of the micro-steps' means
+            (loss / len(window.micro_batches)).backward()  # nanoGPT: the mean of the micro-steps' means
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
         optimizer.step()
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        records.append({"step": step, "tokens": tokens, "elapsed_s": round(time.perf_counter() - start, 4)})
+        records.append({"step": window.step, "tokens": tokens, "elapsed_s": round(time.perf_counter() - began, 4)})
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.output_dir) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 

@@ -13,13 +13,13 @@ import textwrap
 import pytest
 import torch
 
-from {{ cookiecutter.project_slug }}.batch import plan_batches
+from {{ cookiecutter.project_slug }}.batch import parse_schedule, plan_batches
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
-from {{ cookiecutter.project_slug }}.coordination import check_back_end
-from {{ cookiecutter.project_slug }}.data import WindowSampler
 from {{ cookiecutter.project_slug }}.distributed import DistEnv
+from {{ cookiecutter.project_slug }}.launch import check_back_end, launch_of
 from {{ cookiecutter.project_slug }}.optim import build_scheduler, total_steps
 from {{ cookiecutter.project_slug }}.tracking import Progress
+from {{ cookiecutter.project_slug }}.windows import WindowSampler
 
 from conftest import (
     ENTRIES,
@@ -110,10 +110,10 @@ def test_the_trainer_and_deepspeed_refuse_a_schedule():
     env = DistEnv(0, 0, 1, 1, torch.device("cpu"))
     cfg = load_config(["--config", CONFIG, "--global_batch_size", "16", "--global_batch_size_schedule", "0:16,2:32"])
     with pytest.raises(ConfigError, match="^train_trainer cannot follow global_batch_size_schedule"):
-        check_back_end(cfg, env, "trainer")
+        check_back_end(cfg, env, launch_of(cfg, "trainer"), parse_schedule(cfg.global_batch_size_schedule, 16))
     cfg.deepspeed = "configs/deepspeed/zero2.json"
     with pytest.raises(ConfigError, match="^global_batch_size_schedule with DeepSpeed"):
-        check_back_end(cfg, env, "accelerate")
+        check_back_end(cfg, env, launch_of(cfg, "accelerate"), parse_schedule(cfg.global_batch_size_schedule, 16))
 
 
 def test_the_progress_line_shows_the_noise_scale_and_a_new_batch():

@@ -5,4 +5,7 @@
 checkpoint code, and produce the same training on the same seed.
 """
 
+from pathlib import Path
+
 PROJECT_NAME = {{ cookiecutter.project_name | tojson }}
+ASSETS = Path(__file__).resolve().parent / "assets"  # the tokenizer and data that ship with the project

@@ -88,8 +88,9 @@ class BatchPlan:
 
 
 def plan_batches(global_batch_size: int, micro_batch_size: int, world_size: int, chosen_by: str = "",
-                 schedule: str = "") -> BatchPlan:
-    """Derive grad_accum_steps; a global batch that does not divide is a ConfigError."""
+                 schedule: str | tuple = "") -> BatchPlan:
+    """Derive grad_accum_steps; a global batch that does not divide is a ConfigError. `schedule`:
+    global_batch_size_schedule, parsed (parse_schedule) or as its text."""
     per_micro_step = micro_batch_size * world_size
     if global_batch_size % per_micro_step:
         raise ConfigError(
@@ -97,7 +98,9 @@ def plan_batches(global_batch_size: int, micro_batch_size: int, world_size: int,
             f"{micro_batch_size} x world_size {world_size} = {per_micro_step}; use a multiple of "
             f"{per_micro_step} or another micro_batch_size"
         )
-    return BatchPlan(micro_batch_size, world_size, parse_schedule(schedule, global_batch_size), chosen_by)
+    if isinstance(schedule, str):
+        schedule = parse_schedule(schedule, global_batch_size)
+    return BatchPlan(micro_batch_size, world_size, schedule, chosen_by)
 
 
 def largest_divisor(per_rank: int, at_most: int) -> int:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .config import TrainConfig
-from .distributed import DistEnv, all_reduce_sum, barrier, print0
+from .distributed import DistEnv, barrier, print0, ranks_with
 from .errors import ConfigError, JobFailed, first_line
 
 STATE_FILE = "state.json"
@@ -66,6 +66,12 @@ def complete_checkpoints(output_dir: str) -> list[Path]:
     root = checkpoints_dir(output_dir)
     found = [p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / STATE_FILE).is_file()]
     return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def newest_checkpoint(output_dir: str) -> str:
+    """What a job that stops on a failure says is left to continue from."""
+    found = complete_checkpoints(output_dir)
+    return f"the newest complete checkpoint is {found[-1]}" if found else "no checkpoint was completed before"
 
 
 def library_versions() -> dict[str, str]:
@@ -296,13 +302,11 @@ def _attempt(env: DistEnv, output_dir: str, what: str, action: Callable[[], None
         action()
     except Exception as err:  # a full disk is an OSError, or the serialiser's own error around one
         error = err
-    failed = all_reduce_sum(torch.tensor(float(error is not None), device=env.device)).item()
+    failed = ranks_with(error is not None, env.device)
     if failed:
-        newest = complete_checkpoints(output_dir)
-        kept = f"the newest complete checkpoint is {newest[-1]}" if newest else "no checkpoint was completed before"
-        reason = f"{type(error).__name__}: {first_line(error)}" if error else f"{int(failed)} other process(es) failed"
-        raise JobFailed(f"could not write {what} ({reason}); {kept}: free space and resume it with "
-                        "--resume_from_checkpoint auto", agreed=True)
+        reason = f"{type(error).__name__}: {first_line(error)}" if error else f"{failed} other process(es) failed"
+        raise JobFailed(f"could not write {what} ({reason}); {newest_checkpoint(output_dir)}: free space and resume "
+                        "it with --resume_from_checkpoint auto", agreed=True)
 
 
 def write_atomically(cfg: TrainConfig, env: DistEnv, final: Path, write: Callable[[Path], None],

@@ -9,11 +9,9 @@ line on stderr.
 import argparse
 import json
 import math
-import os
 import re
 import sys
 import textwrap
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
@@ -22,8 +20,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from .batch import parse_schedule
-from .distributed import cleanup, lost_contact
-from .errors import ConfigError, JobFailed, RunFinished, first_line
+from .errors import ConfigError
 
 DEFAULT_CONFIG = "configs/train.yaml"
 
@@ -296,40 +293,9 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     return config
 
 
-def run_cli(train: Callable[[TrainConfig], None]) -> None:
-    """Parse the config and train. A ConfigError becomes one line on stderr and exit code 2, a
-    JobFailed one line and its exit code, a RunFinished one line on stdout and exit code 0, and a
-    lost process (a collective that timed out, a peer that died) one line and exit code 1.
-
-    The process group is destroyed only after `train` has returned, so that DDP's reducer (which
-    holds the group) is freed first: the other order can hang or abort in gloo's destructor.
-    """
-    failed = 0
-    try:
-        train(load_config())
-    except RunFinished as done:
-        print(done, flush=True)
-        sys.exit(0)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except JobFailed as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        if not err.agreed:  # the others may be waiting in a collective: nothing may meet them now
-            os._exit(err.exit_code)
-        failed = err.exit_code  # every process stops here together: the group can still be destroyed
-    except RuntimeError as err:
-        if not lost_contact(err):
-            raise
-        print(f"error: lost contact with the other processes ({first_line(err)}); the job stops: a restart "
-              "(torchrun --max_restarts, a requeue) resumes it from its newest checkpoint", file=sys.stderr, flush=True)
-        os._exit(1)  # a peer is gone or stuck: nothing may wait on it again, not even the exit
-    cleanup()
-    if failed:
-        sys.exit(failed)
-
-
 if __name__ == "__main__":
+    from .cli import run_cli
+
     if len(sys.argv) > 1:  # --config files and flags: the merged config, as a run records it
         run_cli(lambda cfg: print(render_yaml(cfg), end=""))
     else:  # configs/train.yaml, from the defaults

@@ -167,7 +167,12 @@ class PreemptionSignal:
 
     def agreed(self, device: torch.device) -> bool:
         """True on every rank when any rank has received the signal."""
-        return all_reduce_sum(torch.tensor(float(self.received), device=device)).item() > 0
+        return ranks_with(self.received, device) > 0
+
+
+def ranks_with(flag: bool, device: torch.device) -> int:
+    """On every rank: how many ranks have `flag` set (one tiny all-reduce; 0 or 1 for one process)."""
+    return int(all_reduce_sum(torch.tensor(float(flag), device=device)).item())
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

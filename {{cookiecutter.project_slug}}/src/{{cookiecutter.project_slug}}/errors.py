@@ -1,4 +1,4 @@
-"""How a run ends early on purpose, each with one line (config.run_cli)."""
+"""How a run ends early on purpose, each with one line (cli.run_cli)."""
 
 
 class ConfigError(Exception):

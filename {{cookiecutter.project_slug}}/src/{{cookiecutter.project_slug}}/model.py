@@ -23,10 +23,10 @@ from transformers import (
     LlamaConfig,
 )
 
+from . import ASSETS
 from .config import TrainConfig
 from .data import IGNORE_INDEX
 from .errors import ConfigError, first_line
-from .prepare import ASSETS
 
 TINY = "tiny"
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

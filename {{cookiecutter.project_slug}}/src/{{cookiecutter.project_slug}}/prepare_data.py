@@ -7,7 +7,8 @@ and settings finds it. Takes the training flags (the config files, --dataset, --
     make data ARGS="--dataset data/my_corpus --packing true"
 """
 
-from .config import TrainConfig, run_cli
+from .cli import run_cli
+from .config import TrainConfig
 from .model import load_tokenizer
 from .prepare import prepare
 

@@ -139,21 +139,21 @@ class Tracker:
     W&B runs through Accelerate's tracker when an `accelerator` is given, else through wandb.init.
     """
 
-    def __init__(self, session, accelerator=None):
-        cfg, resumed = session.cfg, session.resume is not None
-        self.active = session.env.is_main_process
+    def __init__(self, cfg: TrainConfig, env: DistEnv, plan: BatchPlan, total_steps: int, start_step: int,
+                 resumed: bool, accelerator=None):
+        self.active = env.is_main_process
         self.path = Path(cfg.output_dir) / "metrics.jsonl"
         self.wandb_run = None
         self.start = time.perf_counter()
         self.last_elapsed = 0.0  # elapsed_s of the previous step record, for tokens_per_s
         if not self.active:
             return
-        self.progress = Progress(session.total_steps, session.start_step, cfg.log_every)
+        self.progress = Progress(total_steps, start_step, cfg.log_every)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not resumed:
             self.path.write_text("")
         if cfg.report_to == "wandb":
-            self.wandb_run = _init_wandb(cfg, session.env, session.plan, resumed, accelerator)
+            self.wandb_run = _init_wandb(cfg, env, plan, resumed, accelerator)
 
     def log(self, record: dict) -> None:
         """Append one record (a training step or an evaluation) and send it to W&B; a step's record

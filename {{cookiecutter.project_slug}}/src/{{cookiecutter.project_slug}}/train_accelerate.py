@@ -1,4 +1,4 @@
-"""Seed loop 2: HF Accelerate, `with accelerator.accumulate(model):`.
+"""Loop 2: HF Accelerate, `with accelerator.accumulate(model):`.
 
 Launch (from the project root):
     python -m {{ cookiecutter.project_slug }}.train_accelerate --max_steps 20                      # one process
@@ -36,33 +36,34 @@ from accelerate.utils import (
     TorchDynamoPlugin,
 )
 
-from .config import TrainConfig, run_cli
-from .distributed import all_reduce_sum, sync_counter_for
+from .cli import run_cli
+from .config import TrainConfig
+from .distributed import sync_counter_for
 from .evaluation import evaluate
-from .model import build_model, count_targets, summed_loss
+from .model import build_model, summed_loss
 from .optim import build_optimizer, build_scheduler
 from .session import Session
 from .speed import COMPILE
-from .tracking import Tracker
+from .startup import start
+from .windows import Window, finite, global_targets, step_values
 
 
-def train_step(accelerator: Accelerator, model, window: list[dict], optimizer, lr_scheduler, session: Session,
-               grad_accum_steps: int) -> dict | None:
-    """One optimizer step: the seed's accumulate() loop over this rank's micro-batches.
+def train_step(accelerator: Accelerator, model, window: Window, optimizer, lr_scheduler,
+               session: Session) -> dict | None:
+    """One optimizer step: the accumulate() loop over this rank's micro-batches.
 
-    The slide's loop: the window is the slide's k micro-batches (k = grad_accum_steps, fewer in an
-    epoch's short last window); Accelerate's own boundary test, the slide's `(index + 1) % k == 0`,
-    is `accelerator.sync_gradients`, aligned so that it is True on the window's last micro-step.
-    None: the window did not fit in memory on some rank (micro_batch_size auto), and comes again."""
-    cfg, world_size = session.cfg, session.env.world_size
-    targets = torch.tensor(float(sum(count_targets(b["labels"], cfg.task) for b in window)))
-    num_targets = all_reduce_sum(targets.to(accelerator.device)).clamp(min=1).item()
-    accelerator.gradient_accumulation_steps = k = grad_accum_steps  # this step's (the schedule's)
-    accelerator.step = k - len(window)  # the window's last micro-step is the one that syncs
+    The textbook loop over k micro-batches (k = grad_accum_steps, fewer in an epoch's short last
+    window); Accelerate's own boundary test, `(index + 1) % k == 0`, is `accelerator.sync_gradients`,
+    aligned so that it is True on the window's last micro-step. None: the window did not fit in
+    memory on some rank (micro_batch_size auto), and comes again."""
+    cfg, world_size, micro_batches = session.cfg, session.env.world_size, window.micro_batches
+    num_targets = global_targets(micro_batches, cfg.task, accelerator.device)  # real targets, all ranks
+    accelerator.gradient_accumulation_steps = k = window.grad_accum_steps  # this step's (the schedule's)
+    accelerator.step = k - len(micro_batches)  # the window's last micro-step is the one that syncs
     lr = optimizer.param_groups[0]["lr"]  # the lr this step applies (DeepSpeed steps inside backward)
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    for micro_step, micro_batch in enumerate(window):
-        is_last = micro_step == len(window) - 1
+    for micro_step, micro_batch in enumerate(micro_batches):
+        is_last = micro_step == len(micro_batches) - 1
         if is_last and not session.window_fits():  # micro_batch_size auto: out of memory on some rank
             model.zero_grad(set_to_none=True)  # every rank drops the window (the prepared optimizer
             return None  # zeroes only at a sync); it comes again, smaller
@@ -78,42 +79,37 @@ def train_step(accelerator: Accelerator, model, window: list[dict], optimizer, l
             loss_sum += loss.detach().double()
             if accelerator.sync_gradients:  # DeepSpeed clips inside its step and reports the norm
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
-                # one host sync per optimizer step: the window's loss (all ranks) and the gradient norm
-                loss_total, norm = torch.stack([all_reduce_sum(loss_sum), torch.as_tensor(
-                    grad_norm, dtype=torch.float64, device=accelerator.device)]).tolist()
+                values = step_values(loss_sum, grad_norm, num_targets, lr, len(micro_batches))
                 # a non-finite loss or gradient norm skips the step on every rank alike: without
                 # gradients the optimizer's step() changes nothing (DeepSpeed and fp16's scaler also
                 # skip such a step themselves: optimizer_step_was_skipped)
-                finite = math.isfinite(loss_total) and math.isfinite(norm)
-                if not finite:
+                if not finite(values):
                     optimizer.zero_grad(set_to_none=True)
                 optimizer.step()
-                skipped = not finite or accelerator.optimizer_step_was_skipped
+                skipped = not finite(values) or accelerator.optimizer_step_was_skipped
                 if not skipped:
                     lr_scheduler.step()  # fp16: a step skipped for overflow leaves the schedule
             optimizer.zero_grad()
-    values = {"loss": loss_total / num_targets, "lr": lr, "grad_norm": norm, "tokens": int(num_targets),
-              "micro_steps": len(window)}
     if accelerator.mixed_precision == "fp16" or skipped:
         values["step_skipped"] = skipped
     return values
 
 
 def train(cfg: TrainConfig) -> None:
-    session = Session.start(cfg, entry="accelerate", on_accelerate=True)  # every input check, before any waiting
-    env = session.env
-    model = build_model(cfg, session.model_config)
+    run = start(cfg, entry="accelerate")  # every up-front check
+    env = run.env
+    model = build_model(cfg, run.model_config)
     optimizer = build_optimizer(model, cfg, env.device)
-    lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps, session.plan)
+    lr_scheduler = build_scheduler(optimizer, cfg, run.total_steps, run.plan)
 
     on_cpu = env.device.type == "cpu"
     # Our process group, which Accelerate then uses; also what DeepSpeed on CPU needs (Accelerate
     # only starts DeepSpeed off the CPU path, and DeepSpeed's own CPU backend is oneCCL).
-    session.init_distributed()
+    run.init_distributed()
     accelerator = Accelerator(
-        cpu=on_cpu and not session.deepspeed,  # without it Accelerate ignores torchrun's ranks on CPU
+        cpu=on_cpu and not run.deepspeed,  # without it Accelerate ignores torchrun's ranks on CPU
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=session.plan.grad_accum_steps, sync_with_dataloader=False,
+            num_steps=run.plan.grad_accum_steps, sync_with_dataloader=False,
             sync_each_batch=not cfg.ddp_no_sync),
         mixed_precision=cfg.mixed_precision,
         step_scheduler_with_optimizer=False,
@@ -121,21 +117,20 @@ def train(cfg: TrainConfig) -> None:
         # no buffer broadcast in every forward (distributed.wrap_ddp says why)
         kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb, broadcast_buffers=False),
                          GradScalerKwargs(init_scale=cfg.fp16_init_scale)],
-        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=session.deepspeed) if session.deepspeed else None,
+        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=run.deepspeed) if run.deepspeed else None,
         dynamo_plugin=TorchDynamoPlugin(**COMPILE) if cfg.compile else None,  # compiled in prepare()
     )
     if accelerator.process_index != env.rank:  # DeepSpeed on CPU (see the module docstring)
         PartialState().process_index = accelerator.state.process_index = env.rank
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
     sync_counter = sync_counter_for(model)
-    if session.resume is not None:
-        accelerator.load_state(str(session.resume))
+    if run.resume is not None:
+        accelerator.load_state(str(run.resume))
     # keep_torch_compile=False: the default unwraps the DDP module inside a compiled model in place
     # (Accelerate's extract_model_from_parallel), after which no_sync() no longer reaches it
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    session.announce("train_accelerate", unwrapped)
+    session = Session(run, unwrapped, accelerator)
     train_loader, eval_loader = session.loaders()
-    tracker = Tracker(session, accelerator)
 
     def write_model(folder) -> None:
         # the prepared model's state (under ZeRO-3 gathered, on the main process only: None elsewhere);
@@ -145,27 +140,25 @@ def train(cfg: TrainConfig) -> None:
         unwrapped.save_pretrained(folder, is_main_process=env.is_main_process, save_function=accelerator.save,
                                   state_dict=state)
         if env.is_main_process:
-            session.tokenizer.save_pretrained(folder)
+            run.tokenizer.save_pretrained(folder)
 
     model.train()
-    step = session.start_step
-    for step, window in session.windows(train_loader):
-        values = train_step(accelerator, model, window, optimizer, lr_scheduler, session,
-                            session.plan.accum_at(step - 1))
+    for window in session.windows(train_loader):
+        values = train_step(accelerator, model, window, optimizer, lr_scheduler, session)
         if values is None:  # dropped for an out-of-memory error: the same window again, smaller
             continue
-        session.log_step(step, values, tracker, sync_counter)
-        if session.eval_due(step):
-            tracker.log({"step": step, **evaluate(unwrapped, eval_loader, cfg.task, accelerator.device,
-                                                   accelerator.autocast)})
-        stop = session.should_stop(step)  # --stop_after_steps, or a preemption signal on any process
-        if stop or session.save_due(step):
-            session.save_checkpoint(step, lambda folder: accelerator.save_state(str(folder)))
+        session.log_step(window, values, sync_counter)
+        if session.eval_due(window):
+            session.log_eval(window.step, evaluate(unwrapped, eval_loader, cfg.task, accelerator.device,
+                                                   accelerator.autocast))
+        stop = session.should_stop(window.step)  # --stop_after_steps, or a preemption signal on any process
+        if stop or session.save_due(window.step):
+            session.save_checkpoint(window.step, lambda folder: accelerator.save_state(str(folder)))
         if stop:
-            return session.stopped(step, tracker)
+            return session.stopped()
 
-    session.save_final(step, write_model)
-    session.done(step, tracker)
+    session.save_final(write_model)
+    session.done()
 
 
 def main() -> None:

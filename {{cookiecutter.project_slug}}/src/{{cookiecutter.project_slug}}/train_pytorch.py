@@ -1,4 +1,4 @@
-"""Seed loop 1: plain PyTorch, DistributedDataParallel, gradient accumulation done by hand.
+"""Loop 1: plain PyTorch, DistributedDataParallel, gradient accumulation done by hand.
 
 Launch (from the project root):
     python -m {{ cookiecutter.project_slug }}.train_pytorch --max_steps 20          # one process
@@ -7,15 +7,10 @@ Launch (from the project root):
 
 Every flag overrides the key of the same name in configs/train.yaml (`--help` lists them).
 
-Accumulation, made right for DDP: each optimizer step consumes one window of
-`grad_accum_steps` micro-batches per rank. Every micro-step but the last runs forward *and*
-backward under `no_sync()`, so DDP all-reduces the gradients once per optimizer step. Each
-micro-batch's loss is its summed token loss divided by the real targets of the whole window on
-all ranks (times world_size, because DDP averages over ranks), so the accumulated gradient is
-exactly the gradient of the global batch's mean loss. `optimizer.step()`,
-`lr_scheduler.step()` and `optimizer.zero_grad()` run only at the window's end, after clipping.
-With fp16 the gradient scaler unscales once, at the window's end before clipping; a step it skips
-for overflow does not move the schedule (nor the optimizer's own step count).
+Each optimizer step consumes one window of `grad_accum_steps` micro-batches per rank; every
+micro-step but the last runs under `no_sync()`, so DDP all-reduces once per optimizer step. Each
+micro-batch's summed loss is divided by the real targets of the whole window on all ranks, so the
+accumulated gradient is exactly the global batch's mean loss gradient (docs/guarantees.md).
 """
 
 import math
@@ -28,32 +23,34 @@ from safetensors.torch import load_model, save_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import load_rng, save_rng
-from .config import TrainConfig, run_cli
-from .distributed import GradSyncCounter, all_reduce_sum, wrap_ddp
+from .cli import run_cli
+from .config import TrainConfig
+from .distributed import GradSyncCounter, wrap_ddp
 from .evaluation import evaluate
-from .model import autocast_for, build_model, count_targets, summed_loss
+from .model import autocast_for, build_model, summed_loss
 from .optim import build_optimizer, build_scheduler
 from .session import Session
 from .speed import COMPILE
-from .tracking import Tracker
+from .startup import start
+from .windows import Window, finite, global_targets, step_values
 
 
-def train_step(ddp_model, forward, window: list[dict], optimizer, lr_scheduler, scaler, session: Session,
+def train_step(ddp_model, forward, window: Window, optimizer, lr_scheduler, scaler, session: Session,
                autocast) -> dict | None:
     """One optimizer step over this rank's micro-batches of the window; `forward` is ddp_model, or
     its torch.compile'd self (the same module, so no_sync() on ddp_model holds for it).
 
-    The slide's loop: the window is the slide's k micro-batches (k = grad_accum_steps, fewer in an
-    epoch's short last window), and the slide's boundary test `(index + 1) % k == 0` is the
-    window's last micro-step, `is_last` here: the only one that syncs, then step, schedule, zero.
-    None: the window did not fit in memory on some rank (micro_batch_size auto), and comes again."""
+    The textbook loop over k micro-batches (k = grad_accum_steps, fewer in an epoch's short last
+    window) whose boundary test `(index + 1) % k == 0` is `is_last` here: the only micro-step that
+    syncs, then step, schedule, zero. fp16's scaler unscales once, before clipping; a step it skips
+    leaves the schedule. None: the window did not fit in memory on some rank (micro_batch_size
+    auto), and comes again."""
     cfg, env = session.cfg, session.env
     model = ddp_model.module if isinstance(ddp_model, DDP) else ddp_model
-    targets = torch.tensor(float(sum(count_targets(b["labels"], cfg.task) for b in window)), device=env.device)
-    num_targets = all_reduce_sum(targets).clamp(min=1).item()  # real targets, all ranks
+    num_targets = global_targets(window.micro_batches, cfg.task, env.device)  # real targets, all ranks
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-    for micro_step, micro_batch in enumerate(window):
-        is_last = micro_step == len(window) - 1
+    for micro_step, micro_batch in enumerate(window.micro_batches):
+        is_last = micro_step == len(window.micro_batches) - 1
         if is_last and not session.window_fits():  # micro_batch_size auto: out of memory on some rank
             optimizer.zero_grad(set_to_none=True)  # every rank drops the window; it comes again, smaller
             return None
@@ -70,17 +67,11 @@ def train_step(ddp_model, forward, window: list[dict], optimizer, lr_scheduler, 
             loss_sum += loss.detach().double()
     scaler.unscale_(optimizer)  # once per optimizer step, before clipping
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
-    lr = optimizer.param_groups[0]["lr"]
-    # one host sync per optimizer step: the window's loss (all ranks) and the gradient norm
-    loss_total, norm = torch.stack([all_reduce_sum(loss_sum), grad_norm.double()]).tolist()
-    values = {"loss": loss_total / num_targets, "lr": lr, "grad_norm": norm, "tokens": int(num_targets),
-              "micro_steps": len(window)}
-    # a step whose loss or gradient norm is not finite is skipped on every rank alike (both numbers
-    # are the same everywhere): parameters, optimizer state and schedule stay put
-    skipped = not (math.isfinite(loss_total) and math.isfinite(norm))
+    values = step_values(loss_sum, grad_norm, num_targets, optimizer.param_groups[0]["lr"], len(window.micro_batches))
+    skipped = not finite(values)  # parameters, optimizer state and schedule stay put, on every rank
     if scaler.is_enabled():  # fp16: the scaler skips a step whose gradients overflowed, and halves the scale
         scale = scaler.get_scale()
-        if not math.isfinite(loss_total):
+        if not math.isfinite(values["loss"]):
             optimizer.zero_grad(set_to_none=True)  # nothing left to apply: its step() is a no-op
         scaler.step(optimizer)
         scaler.update()
@@ -97,23 +88,22 @@ def train_step(ddp_model, forward, window: list[dict], optimizer, lr_scheduler, 
 
 
 def train(cfg: TrainConfig) -> None:
-    session = Session.start(cfg, entry="pytorch", on_accelerate=False)  # every input check, before any waiting
-    env = session.env
-    model = build_model(cfg, session.model_config).to(env.device)
+    run = start(cfg, entry="pytorch")  # every up-front check
+    env = run.env
+    model = build_model(cfg, run.model_config).to(env.device)
     optimizer = build_optimizer(model, cfg, env.device)
-    lr_scheduler = build_scheduler(optimizer, cfg, session.total_steps, session.plan)
+    lr_scheduler = build_scheduler(optimizer, cfg, run.total_steps, run.plan)
     scaler = torch.amp.GradScaler(env.device.type, init_scale=cfg.fp16_init_scale,
                                   enabled=cfg.mixed_precision == "fp16")
-    if session.resume is not None:
-        load_model(model, str(session.resume / "model.safetensors"), device=str(env.device))
-        state = torch.load(session.resume / "training_state.pt", map_location=env.device, weights_only=True)
+    if run.resume is not None:
+        load_model(model, str(run.resume / "model.safetensors"), device=str(env.device))
+        state = torch.load(run.resume / "training_state.pt", map_location=env.device, weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
         lr_scheduler.load_state_dict(state["lr_scheduler"])
         scaler.load_state_dict(state["scaler"])
-        load_rng(session.resume, env.rank)
+        load_rng(run.resume, env.rank)
 
-    session.init_distributed()
-    session.announce("train_pytorch", model)
+    run.init_distributed()
     ddp_model, sync_counter = model, None
     if env.world_size > 1:
         ddp_model = wrap_ddp(model, env, cfg.ddp_bucket_cap_mb)
@@ -121,8 +111,8 @@ def train(cfg: TrainConfig) -> None:
     # compiled around DDP, so that dynamo splits the graph at DDP's buckets (its DDPOptimizer)
     forward = torch.compile(ddp_model, **COMPILE) if cfg.compile else ddp_model
     autocast = partial(autocast_for, cfg, env.device)
+    session = Session(run, model)
     train_loader, eval_loader = session.loaders()
-    tracker = Tracker(session)
 
     def write_checkpoint(folder: Path) -> None:
         save_rng(folder, env.rank)
@@ -132,22 +122,21 @@ def train(cfg: TrainConfig) -> None:
                         "scaler": scaler.state_dict()}, folder / "training_state.pt")
 
     model.train()
-    step = session.start_step
-    for step, window in session.windows(train_loader):
+    for window in session.windows(train_loader):
         values = train_step(ddp_model, forward, window, optimizer, lr_scheduler, scaler, session, autocast)
         if values is None:  # dropped for an out-of-memory error: the same window again, smaller
             continue
-        session.log_step(step, values, tracker, sync_counter)
-        if session.eval_due(step):
-            tracker.log({"step": step, **evaluate(model, eval_loader, cfg.task, env.device, autocast)})
-        stop = session.should_stop(step)  # --stop_after_steps, or a preemption signal on any process
-        if stop or session.save_due(step):
-            session.save_checkpoint(step, write_checkpoint)
+        session.log_step(window, values, sync_counter)
+        if session.eval_due(window):
+            session.log_eval(window.step, evaluate(model, eval_loader, cfg.task, env.device, autocast))
+        stop = session.should_stop(window.step)  # --stop_after_steps, or a preemption signal on any process
+        if stop or session.save_due(window.step):
+            session.save_checkpoint(window.step, write_checkpoint)
         if stop:
-            return session.stopped(step, tracker)
+            return session.stopped()
 
-    session.save_model(step, model)
-    session.done(step, tracker)
+    session.save_model(model)
+    session.done()
 
 
 def main() -> None:

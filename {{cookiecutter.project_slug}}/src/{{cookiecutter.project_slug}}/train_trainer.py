@@ -1,4 +1,4 @@
-"""Seed loop 3: the HF Transformers `Trainer`, as on the slide: `TrainingArguments(...)`,
+"""Loop 3: the HF Transformers `Trainer`, in its textbook form: `TrainingArguments(...)`,
 `Trainer(...)`, `trainer.train()`.
 
 Launch (from the project root):
@@ -25,28 +25,29 @@ from safetensors.torch import load_model
 from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .checkpoint import checkpoints_dir, complete_checkpoints
-from .config import TrainConfig, run_cli
+from .checkpoint import checkpoints_dir, newest_checkpoint
+from .cli import run_cli
+from .config import TrainConfig
 from .errors import JobFailed, first_line
 from .model import build_model
 from .optim import SCHEDULES
 from .session import Session
 from .speed import COMPILE
-from .tracking import Tracker
+from .startup import Run, start
 from .trainer_adapters import RunRecorder, WindowLoss, WindowTrainer, compute_metrics, eval_summaries
 
 
-def training_arguments(cfg: TrainConfig, session: Session) -> TrainingArguments:
+def training_arguments(cfg: TrainConfig, run: Run) -> TrainingArguments:
     """Our config as TrainingArguments: the only place the Trainer is configured.
 
     The Trainer writes its checkpoints (`checkpoint-<N>`) under checkpoints/; RunRecorder then
     publishes each one atomically as step_<N>, like the other entry points."""
     return TrainingArguments(
         output_dir=str(checkpoints_dir(cfg.output_dir)),
-        per_device_train_batch_size=session.plan.micro_batch_size,
-        per_device_eval_batch_size=session.plan.micro_batch_size,
-        gradient_accumulation_steps=session.plan.grad_accum_steps,
-        max_steps=session.total_steps,
+        per_device_train_batch_size=run.plan.micro_batch_size,
+        per_device_eval_batch_size=run.plan.micro_batch_size,
+        gradient_accumulation_steps=run.plan.grad_accum_steps,
+        max_steps=run.total_steps,
         learning_rate=cfg.learning_rate,
         weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm,
@@ -55,14 +56,14 @@ def training_arguments(cfg: TrainConfig, session: Session) -> TrainingArguments:
         seed=cfg.seed,
         bf16=cfg.mixed_precision == "bf16",
         fp16=cfg.mixed_precision == "fp16",
-        eval_strategy="steps" if cfg.eval_every else "epoch",  # the slide's `evaluation_strategy` (renamed in 4.41)
+        eval_strategy="steps" if cfg.eval_every else "epoch",  # `evaluation_strategy` before transformers 4.41
         eval_steps=cfg.eval_every or None,
         logging_strategy="steps",
         logging_steps=1,
         save_strategy="steps" if cfg.save_steps else "no",
         save_steps=cfg.save_steps or None,
         report_to="none",  # W&B goes through RunRecorder, with the keys every entry point uses
-        deepspeed=session.deepspeed,  # --deepspeed or the accelerate config's JSON, its "auto" keys filled
+        deepspeed=run.deepspeed,  # --deepspeed or the accelerate config's JSON, its "auto" keys filled
         average_tokens_across_devices=True,
         ddp_bucket_cap_mb=cfg.ddp_bucket_cap_mb,  # passed on to DDP as is, fractions included
         ddp_broadcast_buffers=False,  # no buffer broadcast in every forward (distributed.wrap_ddp says why)
@@ -73,54 +74,52 @@ def training_arguments(cfg: TrainConfig, session: Session) -> TrainingArguments:
         torch_compile=cfg.compile,  # Accelerate's dynamo plugin, as train_accelerate (dynamic: train() sets it)
         torch_compile_backend=COMPILE["backend"] if cfg.compile else None,
         remove_unused_columns=False,
-        use_cpu=session.env.device.type == "cpu",
+        use_cpu=run.env.device.type == "cpu",
     )
 
 
 def train(cfg: TrainConfig) -> None:
-    session = Session.start(cfg, entry="trainer", on_accelerate=True)  # every input check, before any waiting
-    model = build_model(cfg, session.model_config)
-    session.init_distributed()  # the process group the Trainer then uses
-    if session.start_step >= session.total_steps:  # trained to the end, stopped before final_model was saved
-        load_model(model, str(session.resume / "model.safetensors"))
-        session.save_model(session.start_step, model)
-        return session.done(session.start_step)
-    session.announce("train_trainer", model)
+    run = start(cfg, entry="trainer")  # every up-front check
+    model = build_model(cfg, run.model_config)
+    run.init_distributed()  # the process group the Trainer then uses
+    session = Session(run, model)
+    if run.start_step >= run.total_steps:  # trained to the end, stopped before final_model was saved
+        load_model(model, str(run.resume / "model.safetensors"))
+        session.save_model(model)
+        return session.done()
     train_loader, _ = session.loaders()
-    tracker = Tracker(session)
 
     if cfg.compile:  # the Trainer's dynamo plugin reads Accelerate's variable for dynamic shapes
         os.environ["ACCELERATE_DYNAMO_USE_DYNAMIC"] = str(COMPILE["dynamic"]).lower()
-    args = training_arguments(cfg, session)
+    args = training_arguments(cfg, run)
     loss = WindowLoss(cfg.task)
     trainer = WindowTrainer(
         model=model,
         args=args,
-        train_dataset=session.data["train"],
-        eval_dataset=session.data["validation"],
+        train_dataset=run.data["train"],
+        eval_dataset=run.data["validation"],
         data_collator=train_loader.collate_fn,
-        processing_class=session.tokenizer,
+        processing_class=run.tokenizer,
         compute_loss_func=loss,
         compute_metrics=partial(compute_metrics, task=cfg.task,
-                                num_labels=getattr(session.model_config, "num_labels", 2)),
+                                num_labels=getattr(run.model_config, "num_labels", 2)),
         preprocess_logits_for_metrics=partial(eval_summaries, task=cfg.task),
         session=session,
         train_loader=train_loader,
     )
-    recorder = RunRecorder(session, tracker, trainer, loss)
+    recorder = RunRecorder(session, trainer, loss)
     trainer.add_callback(recorder)
     try:
-        trainer.train(resume_from_checkpoint=str(session.resume) if session.resume else None)
+        trainer.train(resume_from_checkpoint=str(run.resume) if run.resume else None)
     except Exception as err:  # the Trainer writes its checkpoints itself: a full disk ends here
         if not any(frame.name == "_save_checkpoint" for frame in traceback.extract_tb(err.__traceback__)):
             raise
         raise checkpoint_failed(cfg, session, err) from None
 
-    step = trainer.state.global_step
     if recorder.stopped:
-        return session.stopped(step, tracker)
-    session.save_final(step, trainer.save_model)
-    session.done(step, tracker)
+        return session.stopped()
+    session.save_final(trainer.save_model)
+    session.done()
 
 
 def checkpoint_failed(cfg: TrainConfig, session: Session, err: Exception) -> JobFailed:
@@ -129,10 +128,9 @@ def checkpoint_failed(cfg: TrainConfig, session: Session, err: Exception) -> Job
     if session.env.is_main_process:
         for partial_write in checkpoints_dir(cfg.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
             shutil.rmtree(partial_write, ignore_errors=True)
-    newest = complete_checkpoints(cfg.output_dir)
-    kept = f"the newest complete checkpoint is {newest[-1]}" if newest else "no checkpoint was completed before"
-    return JobFailed(f"could not write a checkpoint ({type(err).__name__}: {first_line(err)}); {kept}: free space "
-                     "and resume it with --resume_from_checkpoint auto")
+    return JobFailed(f"could not write a checkpoint ({type(err).__name__}: {first_line(err)}); "
+                     f"{newest_checkpoint(cfg.output_dir)}: free space and resume it with "
+                     "--resume_from_checkpoint auto")
 
 
 def main() -> None:

@@ -104,8 +104,8 @@ class RunRecorder(TrainerCallback):
       mid-epoch leaves that epoch's evaluation to the resumed job.
     """
 
-    def __init__(self, session, tracker, trainer, loss: WindowLoss):
-        self.session, self.tracker, self.trainer, self.loss = session, tracker, trainer, loss
+    def __init__(self, session, trainer, loss: WindowLoss):
+        self.session, self.trainer, self.loss = session, trainer, loss
         self.sync_counter = None
         self.values: dict = {}
         self.finite, self.schedule = True, None
@@ -147,14 +147,15 @@ class RunRecorder(TrainerCallback):
         # after each optimizer step (logging_steps 1), before the Trainer evaluates and saves
         if "loss" in logs:
             values = {**self.values, "grad_norm": logs.get("grad_norm")}
-            self.session.log_step(state.global_step, values, self.tracker, self.sync_counter)
+            window = self.session.sampler.window_at(state.global_step - 1)
+            self.session.log_step(window, values, self.sync_counter)
             if self.session.should_stop(state.global_step):
                 control.should_save = control.should_training_stop = True
                 self.stopped = True
         eval_keys = {k: v for k, v in logs.items()
                      if k.startswith("eval_") and not k.endswith(("_runtime", "_per_second"))}
         if eval_keys:
-            self.tracker.log({"step": state.global_step, **eval_keys})
+            self.session.log_eval(state.global_step, eval_keys)
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if self.stopped and self.session.sampler.epoch_of(state.global_step)[1]:

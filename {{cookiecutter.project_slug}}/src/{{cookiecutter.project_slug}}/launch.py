@@ -1,53 +1,66 @@
-"""One source of truth for accumulation and batch sizes, whatever the launcher.
-
-Our config and the real world size decide `grad_accum_steps` (batch.py). Accelerate and DeepSpeed
-have their own copies of these numbers (an accelerate YAML's `gradient_accumulation_steps`, a
-DeepSpeed JSON's batch keys); where they are explicit and disagree, the libraries warn and pick
-one. We refuse instead, at start-up, with one line naming both values (exit code 2). Keys left
-"auto" are filled from our config here, so DeepSpeed's engine, Accelerate and the Trainer all
-count the same micro-steps and the engine's accumulation boundary is our window's end.
+"""How this job was launched (`Launch`, read once): the entry point, its back end, the DeepSpeed
+file and FSDP; what each cannot run is refused, and the launcher's and DeepSpeed's copies of the
+batch numbers are checked against ours (one line, exit code 2) or filled where they say "auto".
+docs/launching.md tells the story.
 """
 
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from .batch import BatchPlan, parse_schedule
+from .batch import BatchPlan
 from .config import TrainConfig
 from .distributed import DistEnv
 from .errors import ConfigError
 
 
-def uses_fsdp() -> bool:
-    """Whether `accelerate launch` was given an FSDP config (it exports ACCELERATE_USE_FSDP)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+@dataclass(frozen=True)
+class Launch:
+    """What the command line and the launcher chose, read once at start-up."""
+
+    entry: str  # pytorch | accelerate | trainer (| bare, the benchmark's loop): the checkpoint format
+    deepspeed_path: str  # --deepspeed, or the DeepSpeed JSON `accelerate launch` names; "" for none
+    fsdp: bool  # `accelerate launch` was given an FSDP config (it exports ACCELERATE_USE_FSDP)
+
+    @property
+    def on_accelerate(self) -> bool:
+        """train_accelerate and train_trainer run on Accelerate (DeepSpeed, FSDP, its precision)."""
+        return self.entry in ("accelerate", "trainer")
+
+    @property
+    def backend(self) -> str:
+        return "deepspeed" if self.on_accelerate and self.deepspeed_path else "ddp"
 
 
-def check_back_end(cfg: TrainConfig, env: DistEnv, entry: str) -> None:
-    """Refuse what an entry point (pytorch | accelerate | trainer) cannot run, instead of letting it
-    train something else silently."""
-    on_accelerate = entry != "pytorch"  # train_accelerate and train_trainer run on Accelerate
-    fsdp = uses_fsdp()
-    grows = len(parse_schedule(cfg.global_batch_size_schedule, cfg.global_batch_size)) > 1
+def launch_of(cfg: TrainConfig, entry: str) -> Launch:
+    return Launch(entry, deepspeed_config_path(cfg), os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true")
+
+
+def check_back_end(cfg: TrainConfig, env: DistEnv, launch: Launch, schedule: tuple) -> None:
+    """Refuse what the entry point cannot run, instead of letting it train something else
+    silently. `schedule`: the parsed global_batch_size_schedule."""
+    entry, on_accelerate, fsdp = launch.entry, launch.on_accelerate, launch.fsdp
+    grows = len(schedule) > 1
     if grows and entry == "trainer":
         raise ConfigError("train_trainer cannot follow global_batch_size_schedule: the Trainer fixes "
                           "gradient_accumulation_steps for the whole run in its own loop; use train_pytorch or "
                           "train_accelerate, or drop the schedule")
-    if grows and deepspeed_config_path(cfg):
+    if grows and launch.deepspeed_path:
         raise ConfigError("global_batch_size_schedule with DeepSpeed: DeepSpeed's engine fixes its batch keys "
                           "(gradient_accumulation_steps, train_batch_size) when it starts; drop --deepspeed or the "
                           "schedule")
-    if not on_accelerate and deepspeed_config_path(cfg):
-        raise ConfigError("train_pytorch does not run DeepSpeed; use train_accelerate or train_trainer with "
+    if not on_accelerate and launch.deepspeed_path:
+        raise ConfigError(f"train_{entry} does not run DeepSpeed; use train_accelerate or train_trainer with "
                           "--deepspeed, or drop --deepspeed")
     if not on_accelerate and fsdp:
-        raise ConfigError("train_pytorch runs DDP, not FSDP; launch train_accelerate with "
+        raise ConfigError(f"train_{entry} runs DDP, not FSDP; launch train_accelerate with "
                           "configs/accelerate/fsdp.yaml, or use configs/accelerate/multi_gpu.yaml")
     if fsdp and env.device.type == "cpu":
         raise ConfigError("FSDP needs GPUs: on CPU Accelerate ignores the FSDP config and would train plain DDP; "
                           "use configs/accelerate/multi_gpu.yaml on CPU, fsdp.yaml on GPUs")
-    if cfg.compile and env.world_size > 1 and cfg.ddp_bucket_cap_mb < 1 and not deepspeed_config_path(cfg):
+    if cfg.compile and env.world_size > 1 and cfg.ddp_bucket_cap_mb < 1 and not launch.deepspeed_path:
         raise ConfigError(f"compile with DDP needs ddp_bucket_cap_mb >= 1, got {cfg.ddp_bucket_cap_mb:g}: "
                           "torch.compile splits the graph at DDP's buckets and refuses buckets smaller than DDP's "
                           "first one (1 MiB)")
@@ -85,9 +98,9 @@ def deepspeed_config_path(cfg: TrainConfig) -> str:
     return cfg.deepspeed or from_launcher
 
 
-def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict | None:
-    """The DeepSpeed config with every "auto" filled from ours; explicit disagreements refused."""
-    path = deepspeed_config_path(cfg)
+def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, path: str) -> dict | None:
+    """The DeepSpeed config at `path` with every "auto" filled from ours; explicit disagreements
+    refused. None without a path."""
     if not path:
         return None
     try:

@@ -1,0 +1,160 @@
+"""Start-up: everything decided once, before the first optimizer step, as one frozen `Run`.
+
+`start()` makes every check a user's mistake can fail *up front* (errors.ConfigError: on every
+process, before any process waits on another), then reads the resume point, the data, the
+tokenizer and the batch plan. The loop's running state is session.py's.
+"""
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import transformers
+
+from .batch import BatchPlan, parse_schedule, plan_batches
+from .checkpoint import (
+    check_same_entry,
+    check_same_training,
+    final_dir,
+    library_versions,
+    note_versions,
+    read_state,
+    resume_point,
+    verify_checkpoint,
+)
+from .config import TrainConfig
+from .distributed import DistEnv, PreemptionSignal, dist_env, init_distributed
+from .errors import ConfigError, RunFinished
+from .launch import Launch, check_back_end, check_launcher_env, deepspeed_config, launch_of
+from .memory import auto_micro_batch_size, check_auto_micro_batch
+from .model import load_tokenizer, model_config
+from .optim import total_steps
+from .prepare import prepare
+from .speed import peak_flops, set_tf32
+from .windows import WindowSampler
+
+AUTO_CEILING = "auto_micro_batch_size"  # in output_dir: the micro batch a restart of an auto run starts from
+
+
+@dataclass(frozen=True)
+class Run:
+    """What this job is: fixed from start-up to the end (the micro batch aside, which an
+    out-of-memory error may lower at run time: session.py holds the current plan)."""
+
+    cfg: TrainConfig
+    env: DistEnv
+    launch: Launch
+    plan: BatchPlan  # the plan the job starts with
+    resume: Path | None  # the checkpoint this job continues from
+    start_step: int  # optimizer steps done before this job
+    total_steps: int
+    tokenizer: object
+    model_config: object
+    data: object  # DatasetDict: train and validation, memory-mapped
+    data_folder: Path
+    deepspeed: dict | None  # the DeepSpeed config, its "auto" keys filled
+    peak_flops: float  # the device's peak FLOP/s; 0 where unknown (no mfu)
+    adaptive: bool  # micro_batch_size auto also at run time (windows.MicroBatchRetry)
+    ceiling: int  # the micro batch an out-of-memory error left (0: none)
+    noise_state: tuple  # the gradient noise scale's running estimate, from the checkpoint
+    preemption: PreemptionSignal  # SIGUSR1, listened for from start-up on
+
+    def sampler(self, plan: BatchPlan | None = None) -> WindowSampler:
+        """A sampler of this run's windows on this rank (under `plan`, the start's by default)."""
+        return WindowSampler(len(self.data["train"]), plan or self.plan, self.env.rank, self.cfg.seed,
+                             min_rows=2 if self.cfg.compile else 1)
+
+    def init_distributed(self) -> None:
+        """Join the process group (once; one process joins none, unless it runs DeepSpeed)."""
+        init_distributed(self.env, self.cfg.rendezvous_timeout_s, self.cfg.collective_timeout_s,
+                         alone_too=self.launch.backend == "deepspeed")
+
+    def state(self, step: int, micro_batch_size: int, ceiling: int, noise: list[float]) -> dict:
+        """What a checkpoint (or the finished model) records besides its files: a later job checks
+        it before it continues."""
+        return {"step": step, "world_size": self.env.world_size, "entry": self.launch.entry,
+                "backend": self.launch.backend, "total_steps": self.total_steps,
+                "num_train_examples": len(self.data["train"]), "micro_batch_size": micro_batch_size,
+                "auto_micro_batch_ceiling": ceiling, "grad_noise": noise,
+                "config": self.cfg.to_dict(), "versions": library_versions()}
+
+
+def auto_ceiling(cfg: TrainConfig, state: dict | None) -> int:
+    """The largest micro batch a --micro_batch_size auto search may choose (0: no limit), left by an
+    out-of-memory error: the one the resumed checkpoint records, or the one noted after an error in
+    a synchronising micro-step."""
+    ceilings = [int(state["auto_micro_batch_ceiling"])] if state and state.get("auto_micro_batch_ceiling") else []
+    note = Path(cfg.output_dir) / AUTO_CEILING
+    noted = note.read_text().strip() if note.is_file() else ""
+    if noted.isdigit():
+        ceilings.append(int(noted))
+    return min(ceilings, default=0)
+
+
+def make_output_dir(output_dir: str) -> None:
+    """The output folder exists and is writable (an up-front check)."""
+    out = Path(output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"output_dir {out} cannot be created ({err.strerror}); choose a folder you can "
+                          "write to") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir {out} is not writable; choose a folder you can write to")
+
+
+def quiet_libraries(env: DistEnv) -> None:
+    """What a user sees on every run and never needs: a "Writing model shards" bar per save, and on
+    CPU DeepSpeed's warning that it found no GPU (it probes when Accelerate first imports it)."""
+    transformers.utils.logging.disable_progress_bar()
+    if env.device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def start(cfg: TrainConfig, entry: str) -> Run:
+    """Every up-front check, then the run's facts. With --micro_batch_size auto the ranks meet once,
+    to agree on the micro batch; every check after that fails the same way on every rank."""
+    env = dist_env()
+    quiet_libraries(env)
+    launch = launch_of(cfg, entry)
+    schedule = parse_schedule(cfg.global_batch_size_schedule, cfg.global_batch_size)
+    check_back_end(cfg, env, launch, schedule)
+    resume = resume_point(cfg)
+    state = None
+    if resume is not None:
+        finished = resume == final_dir(cfg.output_dir)
+        state = read_state(resume) if finished else verify_checkpoint(resume)
+        check_same_training(state, cfg, resume)
+        if finished:
+            raise RunFinished(f"already done at step {state['step']}: {resume} (nothing changed)")
+        check_same_entry(state, entry, launch.backend, resume)
+    make_output_dir(cfg.output_dir)
+    auto, ceiling = cfg.micro_batch_size == "auto", 0
+    if auto:
+        check_auto_micro_batch(cfg, env)
+    else:
+        plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, env.world_size, schedule=schedule)
+    tokenizer = load_tokenizer(cfg)
+    prepared = prepare(cfg, tokenizer)
+    config = model_config(cfg, tokenizer, prepared.num_labels or 2)
+    data = prepared.data
+    if state is not None:
+        before = state.get("num_train_examples", len(data["train"]))
+        if before != len(data["train"]):
+            raise ConfigError(f"{resume} was trained on {before} training examples, dataset {cfg.dataset} now "
+                              f"has {len(data['train'])}; a run continues only on the same data, or start a "
+                              "new run in another --output_dir")
+        note_versions(state, resume)
+    if auto:  # the one search needs the process group: every rank must agree on the result
+        init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s)
+        ceiling = auto_ceiling(cfg, state)
+        micro_batch_size, chosen_by = auto_micro_batch_size(cfg, config, env, ceiling)
+        plan = plan_batches(cfg.global_batch_size, micro_batch_size, env.world_size, chosen_by, schedule)
+    check_launcher_env(plan)
+    ds_config = deepspeed_config(cfg, plan, launch.deepspeed_path) if launch.on_accelerate else None
+    set_tf32(cfg, env.device)
+    run = Run(cfg, env, launch, plan, resume, int(state["step"]) if state else 0, 0, tokenizer, config, data,
+              prepared.folder, ds_config, peak_flops(cfg, env.device),
+              adaptive=auto and entry != "trainer" and launch.backend == "ddp" and not launch.fsdp,
+              ceiling=ceiling, noise_state=tuple((state or {}).get("grad_noise", ())), preemption=PreemptionSignal())
+    return replace(run, total_steps=total_steps(cfg, run.sampler()))
