@@ -1,6 +1,6 @@
 """What a later job trusts: a finished run stays final (running the same command again, or a SLURM
 requeue loop, changes no file), and a resume continues only a checkpoint that loads, of the same
-training, from the same entry point (CONTRACT.md section 3)."""
+training, from the same entry point."""
 
 import json
 import os

@@ -1,14 +1,7 @@
-"""Batch maths, in one place.
-
-    global_batch_size = micro_batch_size x grad_accum_steps x world_size
-
-`grad_accum_steps` is derived from the real world size at start-up, so the same config gives the
-same optimisation on 1 CPU process, 8 GPUs or 4 nodes: only the number of micro-steps changes.
-
-`global_batch_size_schedule` ("0:32,20:64,50:128": from optimizer step 20, counted 0-based as the
-steps done, the global batch is 64, ...) grows the global batch during the run by growing the
-accumulation, as Megatron-LM's batch-size ramp-up and GPT-3 did: the micro batch stays, each size is
-a multiple of the one before, so every size divides as the first does.
+"""Batch maths, in one place: global_batch_size = micro_batch_size x grad_accum_steps x world_size,
+with grad_accum_steps derived from the real world size at start-up (only the number of micro-steps
+changes between 1 CPU process and 4 nodes), and the global_batch_size_schedule that grows the
+global batch by growing the accumulation (docs/batch.md).
 """
 
 import math

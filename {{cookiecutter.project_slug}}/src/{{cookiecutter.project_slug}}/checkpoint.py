@@ -1,25 +1,15 @@
-"""Checkpoints and finished runs: what a run leaves that a later job continues or trusts.
+"""Checkpoints and finished runs: their layout, their atomic writing and the rules of resuming.
 
-`output_dir/checkpoints/step_<N>/` is written atomically: every process writes its part into
-`checkpoints/.tmp_step_<N>/`; once all have finished, the main process writes `state.json` (the
-step, the entry point, the config, the library versions and the size of every file) and renames
-the folder to `step_<N>/`. A crash or a failed write leaves only the temporary folder, which is
-never read, so the previous checkpoint stays the newest complete one. `final_model/` is written
-the same way and holds a `state.json` too: a finished run records the config it was trained with.
-
-Before a checkpoint is loaded, on every process and before any process waits on another, it is
-checked: every file present with the size it was written with, safetensors headers whole, and no
-pickle in it that would run code when loaded (only tensors, containers and the few classes the
-libraries' own state holds) — a checkpoint from a shared folder must not execute anything.
+`checkpoints/step_<N>/` and `final_model/` are written into a temporary folder and renamed once
+every process has finished, with a `state.json` (step, entry point, config, library versions, the
+size of every file); a resume compares that config and checks the files (checkpoint_files.py)
+up front. docs/guarantees.md tells the story.
 """
 
 import json
-import pickletools
 import random
 import shlex
 import shutil
-import struct
-import zipfile
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -27,30 +17,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .checkpoint_files import check_file
 from .config import TrainConfig
 from .distributed import DistEnv, barrier, print0, ranks_with
 from .errors import ConfigError, JobFailed, first_line
 
 STATE_FILE = "state.json"
 FINAL_DIR = "final_model"
-# Keys that change the training: a checkpoint continues only under the same values (CONTRACT.md,
-# section 3). Every other key may change on resume (world size, micro batch, evaluation, logging...).
+# Keys that change the training: a checkpoint continues only under the same values. Every other key
+# may change on resume (world size, micro batch, evaluation, logging...).
 MUST_MATCH = ("global_batch_size", "global_batch_size_schedule", "lr_batch_scaling", "seed", "task",
               "model_name_or_path", "dataset", "max_seq_len", "packing", "optimizer", "learning_rate",
               "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "mixed_precision")
 LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed")
-# What the pickles in a checkpoint may name: tensors and their storages, containers, numpy arrays
-# (RNG states), and the classes DeepSpeed's own state holds. Anything else could run code on load.
-SAFE_GLOBALS = {
-    ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
-    ("torch._tensor", "_rebuild_from_type_v2"), ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"),
-    ("_codecs", "encode"), ("numpy", "dtype"), ("numpy", "ndarray"), ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
-    ("numpy._core.multiarray", "scalar"),
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"), ("deepspeed.utils.tensor_fragment", "fragment_address"),
-}
-PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl")
 
 
 def checkpoints_dir(output_dir: str) -> Path:
@@ -96,62 +75,6 @@ def read_state(path: Path) -> dict:
     return state
 
 
-def _pickle_globals(data: bytes) -> set[tuple[str, str]]:
-    """The (module, name) pairs a pickle would import, read from its opcodes without running it. A
-    STACK_GLOBAL whose names are not plain strings on the stack comes back as ("?", "?")."""
-    found, strings, memo = set(), [], {}
-    for op, arg, _ in pickletools.genops(data):
-        if op.name in ("GLOBAL", "INST"):
-            found.add(tuple(arg.split(" ", 1)))
-        elif op.name == "STACK_GLOBAL":
-            found.add(tuple(strings[-2:]) if len(strings) >= 2 and None not in strings[-2:] else ("?", "?"))
-        elif op.name in ("EXT1", "EXT2", "EXT4"):
-            found.add(("copyreg extension", str(arg)))
-        if op.name.endswith(("UNICODE", "STRING", "UNICODE8")):
-            strings.append(arg if isinstance(arg, str) else None)
-        elif op.name.endswith("GET"):
-            strings.append(memo.get(arg))
-        elif op.name.endswith("PUT"):
-            memo[arg] = strings[-1] if strings else None
-        elif op.name == "MEMOIZE":
-            memo[len(memo)] = strings[-1] if strings else None
-    return found
-
-
-def _check_file(path: Path) -> str:
-    """Why `path` would not load safely, or "" (its structure only: the bytes are the loader's)."""
-    with path.open("rb") as f:
-        head = f.read(8)
-    if path.suffix == ".safetensors":
-        size = path.stat().st_size
-        if len(head) < 8:
-            return "is truncated (no safetensors header)"
-        length = struct.unpack("<Q", head)[0]
-        try:
-            with path.open("rb") as f:
-                header = json.loads(f.read(8 + length)[8:])
-            end = max([0, *(t["data_offsets"][1] for k, t in header.items() if k != "__metadata__")])
-        except (ValueError, KeyError, TypeError, IndexError):
-            return "has a damaged safetensors header"
-        return "" if 8 + length + end == size else f"is {size} bytes where its header needs {8 + length + end}"
-    if path.suffix not in PICKLE_SUFFIXES:
-        return ""
-    try:
-        if zipfile.is_zipfile(path):
-            with zipfile.ZipFile(path) as archive:
-                pickles = [archive.read(n) for n in archive.namelist() if n.endswith(".pkl")]
-        else:
-            pickles = [path.read_bytes()]
-        unsafe = set().union(*map(_pickle_globals, pickles)) - SAFE_GLOBALS
-    except (zipfile.BadZipFile, ValueError, EOFError, UnicodeDecodeError) as err:
-        return f"is damaged ({type(err).__name__}: {err})"
-    unsafe = {(m, n) for m, n in unsafe if not (m == "torch" and n.endswith("Storage"))}
-    if unsafe:
-        names = ", ".join(sorted(f"{m}.{n}" for m, n in unsafe))
-        return f"would run code when loaded (its pickle names {names}); only load checkpoints you made"
-    return ""
-
-
 def _damage(path: Path, state: dict) -> str:
     """What is wrong with checkpoint `path`, or ""."""
     for name, size in state.get("files", {}).items():
@@ -161,7 +84,7 @@ def _damage(path: Path, state: dict) -> str:
         if file.stat().st_size != size:
             return f"{file} has {file.stat().st_size} bytes, {size} were written"
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        problem = _check_file(file)
+        problem = check_file(file)
         if problem:
             return f"{file} {problem}"
     return ""

@@ -2,7 +2,7 @@
 
 The rank, world size and device come from the launcher's environment (torchrun, accelerate
 launch, srun via the sbatch scripts) *before* any process group exists, so configuration errors
-are reported by every process before any process waits on another.
+are up-front checks (errors.ConfigError).
 """
 
 import gc
@@ -54,7 +54,7 @@ def _env_int(name: str, default: int | None = None) -> int:
 
 def dist_env() -> DistEnv:
     """This process's place in the job, from the launcher's environment (1 process when unset),
-    checked before any process waits on another: numbers, ranges, and the rendezvous address."""
+    checked up front: numbers, ranges, and the rendezvous address."""
     world_size = _env_int("WORLD_SIZE", 1)
     if world_size < 1:
         raise ConfigError(f"WORLD_SIZE={world_size} must be >= 1")

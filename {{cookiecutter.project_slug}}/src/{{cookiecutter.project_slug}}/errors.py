@@ -3,7 +3,8 @@
 
 class ConfigError(Exception):
     """A mistake the user can fix: bad config, bad flag, bad input data, a launch that does not fit.
-    Found before any process waits on another. Exit code 2."""
+    Found by an *up-front* check: one that every process makes before any process waits on
+    another, so each reports it itself instead of hanging. Exit code 2."""
 
 
 class JobFailed(Exception):

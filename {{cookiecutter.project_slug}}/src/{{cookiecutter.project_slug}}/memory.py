@@ -1,13 +1,7 @@
-"""Peak memory of a piece of training, on the device it runs on.
-
-GPU: `torch.cuda.max_memory_allocated` (the caching allocator's own count of live tensor bytes).
-CPU: torch keeps no allocator statistics there, so `LiveBytes`, a dispatch mode, sees every tensor
-each operation returns and counts the bytes of the storages alive at once: the parameters,
-gradients and optimizer state passed in as `tracked`, plus everything the piece allocates (views
-share their storage and count once). Both count tensors, not the allocator's cache or the
-process's other memory, so the numbers mean the same thing on a laptop and on a GPU.
-
-Used by `--micro_batch_size auto` (session.py) and by the memory benchmark (benchmarks/memory.py).
+"""Peak memory of a piece of training, on the device it runs on: `torch.cuda.max_memory_allocated`
+on a GPU, and on CPU `LiveBytes`, a dispatch mode counting the storages alive at once (torch keeps
+no allocator statistics there). Used by `--micro_batch_size auto` and benchmarks/memory.py;
+docs/memory.md says what each number counts.
 """
 
 import weakref
@@ -113,7 +107,7 @@ def training_step_peak(cfg: TrainConfig, model_config, size: int, device: torch.
 
 
 def check_auto_micro_batch(cfg: TrainConfig, env: DistEnv) -> None:
-    """What --micro_batch_size auto needs, checked before any process waits on another."""
+    """What --micro_batch_size auto needs (an up-front check)."""
     if cfg.global_batch_size % env.world_size:
         raise ConfigError(f"micro_batch_size auto: global_batch_size {cfg.global_batch_size} is not divisible by "
                           f"world_size {env.world_size}; use a multiple of {env.world_size}")

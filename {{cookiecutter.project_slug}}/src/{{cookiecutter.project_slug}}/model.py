@@ -1,13 +1,7 @@
-"""Tokenizer, model and the loss, for both tasks.
-
-`model_name_or_path: tiny` builds a 2-layer Llama from a config (no download) with the word-level
-tokenizer that ships in `assets/tokenizer`; dropout is 0 so runs compare exactly across world
-sizes. Anything else is loaded with `from_pretrained` (hub name or local path).
-
-The loss is returned as a *sum* over real targets (labels != -100) together with their count, so
-each loop can divide by the number of real targets in the whole global batch: accumulating k
-micro-batches on n processes then gives exactly the gradient of the mean loss of the big batch,
-however the padding falls.
+"""Tokenizer, model and the loss, for both tasks: `tiny` builds a 2-layer Llama from a config with
+the tokenizer that ships in assets/ (no download, dropout 0), anything else loads with
+`from_pretrained`. The loss is a *sum* over real targets (labels != -100): each loop divides by the
+real targets of the whole global batch, so accumulation is exact however the padding falls.
 """
 
 from contextlib import nullcontext
@@ -54,7 +48,7 @@ def load_tokenizer(cfg: TrainConfig):
 
 
 def model_config(cfg: TrainConfig, tokenizer, num_labels: int = 2):
-    """The model's config, checked before any process waits on another."""
+    """The model's config (an up-front check, errors.ConfigError)."""
     if cfg.model_name_or_path == TINY:
         config = LlamaConfig(
             vocab_size=len(tokenizer),

@@ -1,20 +1,7 @@
-"""The gradient noise scale: which global batch pays.
-
-McCandlish et al., "An Empirical Model of Large-Batch Training" (2018), appendix A.1: the
-"simple" noise scale B_simple = tr(Σ) / |G|², Σ the per-example gradients' covariance and G
-the true gradient. Far below B_simple a larger global batch trains as fast in fewer steps; far
-above it, the extra examples are mostly wasted compute.
-
-It costs no extra backward pass: with DDP each rank's gradient before the all-reduce is that of
-a batch of b = B / world_size examples, the all-reduced one that of B (the communication hook in
-distributed.GradSyncCounter reads both squared norms, as k-diffusion's gns.py does). Since
-E|G_b|² = |G|² + tr(Σ)/b, two batch sizes give unbiased estimates of both:
-
-    |G|²  = (B |G_B|² - b |G_b|²) / (B - b)        tr(Σ) = (|G_b|² - |G_B|²) / (1/b - 1/B)
-
-Each step's estimates are noisy (either may be negative); their exponential moving averages are
-divided, as in the paper and k-diffusion. Units: examples (sequences, or packed blocks), the
-units of global_batch_size. |G_b|² is averaged over the ranks (one tiny all-reduce per step).
+"""The gradient noise scale B_simple = tr(Σ) / |G|² (McCandlish et al. 2018, appendix A.1), from the
+squared gradient norms DDP's communication hook reads before and after its all-reduce: no extra
+backward pass. Smoothed by exponential moving averages; in examples. docs/batch.md derives the
+estimator and says how to read it.
 """
 
 import torch

@@ -1,12 +1,7 @@
-"""Data preparation: read the raw splits, check them, tokenise (and pack) them, once.
-
-Two kinds of checks, each a ConfigError (one line, exit code 2) that names the file and the line or
-example: *cheap* ones (the files exist and are not empty; `check_source`: the first record has the
-task's columns) run on every process before any process waits; *full-pass* ones (every line
-parses, every text is a string, the labels are the integers 0..K-1 with every class present in
-training and only those in validation) run while the data is read and tokenised, in the one
-preparation, so a large dataset is not read twice to be checked. The prepared data lands in
-data_cache_dir, found again by the raw files' size and mtime alone: a warm start reads no raw file.
+"""Data preparation: read the raw splits, check them, tokenise (and pack) them, once, into
+data_cache_dir (data_cache.py). Cheap checks run up front; full-pass ones (every line parses, every
+text is a string, labels 0..K-1) inside the one preparation, so a large dataset is read once.
+docs/data.md tells the story.
 """
 
 import contextlib

@@ -1,10 +1,7 @@
-"""Prepare the data of a config once, before any training job needs it (on a CPU node, say):
-read, check, tokenise (and pack) it into data_cache_dir, where every later run on the same data
-and settings finds it. Takes the training flags (the config files, --dataset, --max_seq_len,
---packing, --data_cache_dir, --data_num_proc, ...); a data error is one line and exit code 2.
+"""Prepare the data of a config once, before any training job needs it (on a CPU node, say), into
+data_cache_dir; it takes the training flags. A data error is one line and exit code 2.
 
     python -m {{ cookiecutter.project_slug }}.prepare_data --config configs/train.yaml --dataset data/my_corpus
-    make data ARGS="--dataset data/my_corpus --packing true"
 """
 
 from .cli import run_cli

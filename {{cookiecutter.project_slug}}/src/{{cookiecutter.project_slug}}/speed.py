@@ -1,21 +1,7 @@
-"""The speed levers every fast PyTorch loop turns on, and the figures that say how fast it is.
-
-Levers (one config key each; all three entry points, each through its library's own switch):
-- `compile`: torch.compile of the model (train_pytorch compiles the DDP-wrapped model, so that
-  dynamo splits its graph at DDP's buckets; Accelerate through its dynamo plugin; the Trainer
-  through TrainingArguments.torch_compile and Accelerate's ACCELERATE_DYNAMO_USE_DYNAMIC). With
-  dynamic shapes from the first compile: one graph serves every padded length and micro-batch
-  size (a short last window, a filler micro-batch), and no_sync() between micro-steps changes no
-  guard, so nothing recompiles after the first step (`compiled_graphs` in each record says so);
-- `tf32`: TF32 matmuls and convolutions on CUDA (on by default; fp32 stays fp32 on CPU);
-- `fused_adamw`: the fused CUDA AdamW kernel (optim.py);
-- `attn_implementation`: SDPA attention (model.py);
-- `dataloader_workers`: workers that collate the next micro-batches while the device computes,
-  pinned memory and non-blocking copies on CUDA (data.py).
-
-Figures: model FLOPs per token as nanoGPT and PaLM count them (6N for the weights, forward and
-backward, plus 12·L·H·Q·T for attention), times tokens per second, over the device's peak: the
-model FLOPs utilisation (`mfu`) of every step record, where the peak is known.
+"""The speed levers every fast PyTorch loop turns on (compile, tf32, fused_adamw,
+attn_implementation, dataloader_workers: one config key each, in all three entry points) and the
+figures that say how fast it is: FLOPs per token as nanoGPT and PaLM count them, and the model
+FLOPs utilisation (`mfu`) of each step record. docs/performance.md tells the story.
 """
 
 import torch

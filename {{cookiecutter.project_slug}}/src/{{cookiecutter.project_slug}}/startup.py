@@ -1,8 +1,8 @@
 """Start-up: everything decided once, before the first optimizer step, as one frozen `Run`.
 
-`start()` makes every check a user's mistake can fail *up front* (errors.ConfigError: on every
-process, before any process waits on another), then reads the resume point, the data, the
-tokenizer and the batch plan. The loop's running state is session.py's.
+`start()` makes every up-front check a user's mistake can fail (errors.ConfigError), then reads
+the resume point, the data, the tokenizer and the batch plan. The loop's running state is
+session.py's.
 """
 
 import os

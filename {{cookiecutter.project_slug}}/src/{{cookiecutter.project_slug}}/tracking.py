@@ -1,13 +1,7 @@
-"""The run's record: `metrics.jsonl` and Weights & Biases, written by the main process only.
-
-One JSON object per optimizer step (`step`, `loss`, `lr`, `grad_norm`, `tokens`, `micro_steps`,
-`grad_sync_calls`, `world_size`, `grad_accum_steps`, `micro_batch_size`, `global_batch_size`,
-`elapsed_s`, `input_tokens`; `mfu`, `grad_noise_scale`, `oom_retries` where they apply) and one per evaluation
-(`step`, `eval_loss`, ...). On resume the file is appended to.
-
-W&B: the W&B step is the optimizer step; training keys go under `train/`, evaluation keys under
-`eval/`. Without an API key (no WANDB_API_KEY, no `wandb login`) the run is offline, and the
-`wandb sync` command is printed. The key itself is never written anywhere by this code.
+"""The run's record, written by the main process only: `metrics.jsonl` (one JSON object per
+optimizer step and per evaluation, appended to on resume), Weights & Biases (the W&B step is the
+optimizer step; keys under `train/` and `eval/`; offline without an API key, which this code never
+writes anywhere) and the progress line. docs/guarantees.md lists the keys.
 """
 
 import json

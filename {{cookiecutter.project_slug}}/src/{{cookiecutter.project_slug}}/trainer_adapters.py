@@ -1,11 +1,8 @@
 """What train_trainer.py puts into the HF `Trainer` so that it trains exactly as the other two
-entry points do. Each adapter replaces one library default, through the Trainer's public hooks
-(constructor arguments, overridable `get_*`/`create_*` methods, a TrainerCallback):
-
-- WindowTrainer: the data order, the optimizer and schedule, the fp16 loss scale, the console;
-- WindowLoss: the loss normalisation (`compute_loss_func`);
-- RunRecorder: the record of each step, non-finite steps, checkpoints, stopping (a callback);
-- eval_summaries / compute_metrics: evaluation by real targets, as evaluation.evaluate does.
+entry points do, each adapter replacing one library default through the Trainer's public hooks:
+WindowTrainer (data order, optimizer and schedule, fp16 scale, console), WindowLoss (the loss
+normalisation), RunRecorder (records, non-finite steps, checkpoints, stopping), eval_summaries and
+compute_metrics (evaluation by real targets).
 """
 
 import math
