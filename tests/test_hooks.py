@@ -80,8 +80,9 @@ def test_hostile_project_name_is_quoted_safely(tmp_path):
         subprocess.run(["bash", "-n", str(path)], check=True)
         subprocess.run(["bash", str(path)], cwd=project, env={"DRY_RUN": "1", "NPROC_PER_NODE": "1",
                        "MASTER_PORT": "29500", "PATH": "/usr/bin:/bin"}, capture_output=True, timeout=60)
-    namespace: dict = {}
-    exec((project / "src" / "evil_proj" / "__init__.py").read_text(), namespace)
+    init = project / "src" / "evil_proj" / "__init__.py"
+    namespace: dict = {"__file__": str(init)}
+    exec(init.read_text(), namespace)
     assert namespace["PROJECT_NAME"] == HOSTILE_NAME
     assert json.loads((project / ".cookiecutter.json").read_text())["project_name"] == HOSTILE_NAME
     assert HOSTILE_NAME in (project / "README.md").read_text()

@@ -76,7 +76,7 @@ def test_a_scheduled_epoch_is_one_stream_of_the_permutation(n, schedule, micro, 
         order, offset = sampler.permutation(epoch).tolist(), 0
         for s, size in enumerate(sampler.epoch_sizes(epoch)):
             assert size == min(plan.global_batch_at(step), n - offset)
-            assert len(sampler.examples(step)) == size and sampler.epoch_of(step) == (epoch, s)
+            assert len(sampler.window_at(step).examples) == size and sampler.epoch_of(step) == (epoch, s)
             windows = [r.window(epoch, s) for r in ranks]
             assert len({len(w) for w in windows}) == 1
             if size == plan.global_batch_at(step):

@@ -118,10 +118,6 @@ class WindowSampler(Sampler):
         share = math.ceil(self.epoch_sizes(self.epoch if epoch is None else epoch)[step] / self.plan.world_size)
         return math.ceil(share / self.plan.micro_batch_size)
 
-    def examples(self, step: int) -> np.ndarray:
-        """The examples of the run's optimizer step after `step` steps done, on all ranks."""
-        return self._examples(*self.epoch_of(step))
-
     def window_at(self, done: int, micro_batches: list[dict] | None = None) -> "Window":
         """The facts of the run's optimizer step after `done` steps, as one value."""
         epoch, step = self.epoch_of(done)
