@@ -17,8 +17,14 @@ ANSWERS = json.loads(
 )
 
 # Packages the generated project imports: a slug equal to one of them would shadow it.
-SHADOWED = {"torch", "transformers", "accelerate", "datasets", "deepspeed", "wandb", "yaml",
-            "tokenizers", "safetensors", "numpy", "tests", "test", "src", "configs", "scripts"}
+# A slug that is the name of a module the project imports (the standard library, a dependency or
+# one they pull in) or of a folder the project has would shadow it: the project could not import.
+SHADOWED = set(sys.stdlib_module_names) | {
+    "torch", "transformers", "accelerate", "datasets", "deepspeed", "wandb", "yaml", "tokenizers", "safetensors",
+    "numpy", "pyarrow", "tqdm", "huggingface_hub", "filelock", "fsspec", "packaging", "psutil", "regex",
+    "requests", "pandas", "dill", "xxhash", "multiprocess", "jinja2", "sympy", "networkx", "matplotlib", "pytest",
+    "ruff", "pydantic", "hjson", "ninja", "einops", "msgpack", "cookiecutter", "cruft",
+    "tests", "test", "src", "configs", "scripts", "benchmarks", "docs"}
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # SLURM's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}){0,2}")
@@ -32,8 +38,8 @@ def check_slug(slug: str) -> str | None:
     if keyword.iskeyword(slug):
         return f"project_slug {slug!r} is a Python keyword; choose another name, e.g. '{slug}_train'"
     if slug in SHADOWED:
-        return (f"project_slug {slug!r} would shadow the package of that name; choose another, "
-                f"e.g. '{slug}_train'")
+        return (f"project_slug {slug!r} would shadow the module or folder of that name, which the project "
+                f"imports or has; choose another, e.g. '{slug}_train'")
     return None
 
 

@@ -26,7 +26,7 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
         ".cookiecutter.json", ".gitignore", ".pre-commit-config.yaml", ".github/workflows/ci.yml", "Makefile",
         "README.md", "pyproject.toml", "configs/train.yaml", "configs/experiments/gpt2_small.yaml",
         "configs/experiments/long_context.yaml", "scripts/check_commit.py", "scripts/train_local.sh",
-        "scripts/slurm/common.sh", "scripts/slurm/torchrun.sbatch",
+        "scripts/flags.sh", "scripts/slurm/common.sh", "scripts/slurm/torchrun.sbatch",
         *(f"{pkg}/{m}.py" for m in ("__init__", "batch", "checkpoint", "checkpoint_files", "cli", "config", "data",
                                      "data_cache", "distributed", "errors", "evaluation", "launch", "memory", "model",
                                      "noise", "optim", "prepare", "prepare_data", "session", "speed", "startup",

@@ -15,7 +15,9 @@ BAD_ANSWERS = [
     ({"project_slug": "2fast"}, "project_slug '2fast' is not a Python identifier"),
     ({"project_slug": "class"}, "project_slug 'class' is a Python keyword"),
     ({"project_slug": "lambda"}, "project_slug 'lambda' is a Python keyword"),
-    ({"project_slug": "torch"}, "project_slug 'torch' would shadow the package of that name"),
+    ({"project_slug": "torch"}, "project_slug 'torch' would shadow the module or folder of that name"),
+    *(({"project_slug": name}, f"project_slug '{name}' would shadow the module or folder of that name")
+      for name in ("random", "logging", "tqdm", "pyarrow", "benchmarks")),
     ({"project_slug": "x; rm -rf ~"}, "is not a Python identifier"),
     ({"project_slug": "caf\u00e9"}, "is not a Python identifier"),
     ({"micro_batch_size": "0"}, "micro_batch_size must be a positive whole number, got '0'"),

@@ -3,10 +3,11 @@
 # Arguments are passed through to the entry point; environment variables set the launch:
 #   scripts/train_local.sh --max_steps 20 --report_to none
 #   ENTRY=pytorch NPROC_PER_NODE=4 scripts/train_local.sh --config configs/train.yaml
-#   DRY_RUN=1 scripts/train_local.sh        # print the command instead of running it
+#   DRY_RUN=1 scripts/train_local.sh        # print the command instead of running it (1/true/yes)
 # ENTRY: pytorch | accelerate | trainer. PYTHON: the interpreter (default: python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/flags.sh
 
 ENTRY=${ENTRY:-{{ 'pytorch' if cookiecutter.entry_points == 'all' else cookiecutter.entry_points }}}
 PYTHON=${PYTHON:-python}
@@ -23,7 +24,7 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 cmd=("$PYTHON" -m torch.distributed.run --nnodes 1 --nproc_per_node "$NPROC_PER_NODE"
      --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
      -m "{{ cookiecutter.project_slug }}.train_${ENTRY}" "$@")
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
+if is_yes DRY_RUN; then
   printf '%q ' "${cmd[@]}"
   echo
   exit 0

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import yaml
@@ -99,11 +100,23 @@ def test_bad_config_files(tmp_path, text, message):
     (["--learning_rate", "nan"], "learning_rate must be a finite number, got nan"),
     (["--learning-rat", "1"], "unknown flag(s) ['--learning-rat', '1']"),  # no abbreviations
     (["--max_nonfinite_steps", "0"], "max_nonfinite_steps must be >= 1, got 0"),
+    (["--output_dir", ""], "output_dir is empty; name the folder the run writes"),
+    (["--output_dir", "  "], "output_dir is empty; name the folder the run writes"),
 ])
 def test_bad_flags(argv, message):
     with pytest.raises(ConfigError) as err:
         load_config(["--config", str(CONFIG)] + argv)
     assert message in str(err.value)
+
+
+def test_a_tilde_in_a_path_is_the_home_folder_from_a_file_or_a_flag(tmp_path):
+    overlay = tmp_path / "paths.yaml"
+    overlay.write_text("output_dir: ~/runs/x\ndata_cache_dir: ~/cache\ndataset: ~user_that_is_not/data\n")
+    cfg = load_config(["--config", str(CONFIG), "--config", str(overlay), "--deepspeed", "~/ds.json"])
+    home = str(Path.home())
+    assert (cfg.output_dir, cfg.data_cache_dir, cfg.deepspeed) == (f"{home}/runs/x", f"{home}/cache", f"{home}/ds.json")
+    assert cfg.dataset == "~user_that_is_not/data"  # no such user: left as written, as a shell leaves it
+    assert load_config(["--config", str(CONFIG), "--resume_from_checkpoint", "auto"]).resume_from_checkpoint == "auto"
 
 
 @pytest.mark.parametrize("global_batch,micro,world,accum", [(64, 8, 1, 8), (64, 8, 2, 4), (64, 8, 8, 1),

@@ -34,6 +34,24 @@ def test_train_local_dry_run_passes_arguments_through(env):
     assert proc.stdout.strip().endswith("--max_steps 3 --learning_rate 1e-4")
 
 
+@pytest.mark.parametrize("value", ["true", "YES", "1"])
+def test_dry_run_accepts_every_way_of_saying_yes(env, value):
+    proc = subprocess.run(["scripts/train_local.sh", "--max_steps", "3"], cwd=ROOT, capture_output=True, text=True,
+                          env={**env, "DRY_RUN": value, "NPROC_PER_NODE": "2", "PYTHON": "python3"}, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("--max_steps 3"), proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("script", ["scripts/train_local.sh", *(f"scripts/slurm/{p.name}" for p in
+                                    sorted((ROOT / "scripts" / "slurm").glob("*.sbatch")))])
+def test_a_dry_run_value_that_is_neither_yes_nor_no_is_one_line(env, script):
+    proc = subprocess.run(["bash", script, "--max_steps", "3"], cwd=ROOT, capture_output=True, text=True,
+                          env={**env, "DRY_RUN": "maybe", "NPROC_PER_NODE": "2", "PYTHON": "python3",
+                               "MASTER_PORT": "29500"}, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == ["error: DRY_RUN=maybe is not yes or no; use 1, true or yes, or 0, "
+                                                "false or no"]
+
+
 def test_train_local_trains_with_two_cpu_processes(env, tmp_path):
     out = tmp_path / "local"
     proc = subprocess.run(

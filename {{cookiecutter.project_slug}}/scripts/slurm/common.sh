@@ -14,6 +14,8 @@
 # the training processes stop at the next optimizer step with a checkpoint and exit 0; the job is
 # then requeued, and on restart `--resume_from_checkpoint auto` continues from that checkpoint.
 
+source scripts/flags.sh
+
 # shellcheck disable=SC2034  # TRAIN_ARGS and the others are read by the sbatch script
 job_setup() {
   JOB_ID=${SLURM_JOB_ID:-dry-run}
@@ -55,7 +57,7 @@ on_preemption_signal() {
 
 launch_on_nodes() {
   local node_cmd=$1 i status=0 pid
-  if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  if is_yes DRY_RUN; then
     for i in "${!NODES[@]}"; do
       echo "${NODES[i]} (SLURM_NODEID=$i): ${node_cmd//\$SLURM_NODEID/$i}"
     done

@@ -9,6 +9,7 @@ line on stderr.
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import textwrap
@@ -23,6 +24,7 @@ from .batch import parse_schedule
 from .errors import ConfigError
 
 DEFAULT_CONFIG = "configs/train.yaml"
+PATHS = ("model_name_or_path", "dataset", "data_cache_dir", "output_dir", "resume_from_checkpoint", "deepspeed")
 
 
 def whole_or_auto(value) -> int | str:
@@ -145,6 +147,11 @@ class TrainConfig:
         "stops responding fails the job after this long instead of hanging it.", 600.0)
 
     def __post_init__(self) -> None:
+        for name in PATHS:  # `~` as a shell expands it, also where no shell read the value (a YAML file)
+            if getattr(self, name).startswith("~"):
+                setattr(self, name, os.path.expanduser(getattr(self, name)))
+        if not self.output_dir.strip():
+            raise ConfigError("output_dir is empty; name the folder the run writes, e.g. runs/default")
         for f in fields(self):
             if f.type is float and not math.isfinite(getattr(self, f.name)):
                 raise ConfigError(f"{f.name} must be a finite number, got {getattr(self, f.name)}")

@@ -1,0 +1,12 @@
+# shellcheck shell=bash
+# Sourced by the launch scripts. `is_yes NAME`: whether the variable NAME says yes (1, true, yes) or no
+# (0, false, no, unset, empty), any case; anything else ends the script with one line and exit 2.
+is_yes() {
+  local value=${!1:-0}
+  case "${value,,}" in
+    1 | true | yes) return 0 ;;
+    0 | false | no) return 1 ;;
+  esac
+  echo "error: $1=${!1} is not yes or no; use 1, true or yes, or 0, false or no" >&2
+  exit 2
+}
