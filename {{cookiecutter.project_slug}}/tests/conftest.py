@@ -293,10 +293,11 @@ LONG = {"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 200}
 
 
 def last_records(run: Run) -> list[dict]:
-    """The step records that count: after a crash, the steps redone after the restart replace those
-    logged after the last checkpoint (metrics.jsonl is only ever appended to)."""
-    by_step = {r["step"]: r for r in run.steps}
-    return [by_step[s] for s in sorted(by_step)]
+    """The step records that count, each step once (a resume sets aside the records after its
+    checkpoint: metrics.jsonl never holds a step twice)."""
+    steps = [r["step"] for r in run.steps]
+    assert len(steps) == len(set(steps)), f"a step recorded twice in metrics.jsonl: {steps}"
+    return sorted(run.steps, key=lambda r: r["step"])
 
 
 def assert_same_training(resumed: Run, straight: Run) -> float:
@@ -386,14 +387,29 @@ entry.main()
 def fault_one_worker(out: Path, proc: subprocess.Popen, signum: int, tmp_path: Path) -> tuple[int, dict, float]:
     """Once the job under `proc` (torchrun --max_restarts 1, checkpoints every 10 steps) has logged
     step 15, send `signum` to one of its 2 workers, then wait for the first record of the restarted
-    job: a step the faulted job had already logged. Returns the last step logged before the fault,
+    job: a step the faulted job had already logged, which the restart set aside (with the others
+    after its checkpoint) in metrics.dropped.jsonl. Returns the last step logged before the fault,
     that first redone record, and the seconds from the fault to it."""
     wait_for_step(out, proc, 15)  # past the checkpoint at step 10
     records = (out / "metrics.jsonl").read_text().splitlines()
     faulted_at, faulted_step = time.monotonic(), json.loads(records[-1])["step"]
     os.kill(children_of()[proc.pid][-1], signum)  # one of torchrun's 2 workers
-    while not (redone := [r for r in Run(0, "", "", out).records[len(records):]
-                          if "loss" in r and r["step"] <= faulted_step]):
+    redone = []
+    while not redone:
         assert proc.poll() is None and time.monotonic() < faulted_at + LAUNCH_TIMEOUT_S, logs(tmp_path)[1][-3000:]
         time.sleep(0.02)
+        set_aside = dropped_steps(out)
+        if set_aside:
+            redone = [r for r in Run(0, "", "", out).steps if r["step"] == min(set_aside)]
     return faulted_step, redone[0], time.monotonic() - faulted_at
+
+
+def dropped_steps(out: Path) -> list[int]:
+    """The steps whose records a resume set aside in metrics.dropped.jsonl (lines a crash cut short
+    aside)."""
+    path, steps = out / "metrics.dropped.jsonl", []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            steps += [record["step"]] if "loss" in record else []
+    return steps

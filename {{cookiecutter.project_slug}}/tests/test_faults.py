@@ -152,3 +152,21 @@ def test_strict_records_refuse_nan(tmp_path):
     path.write_text(json.dumps({"loss": float("nan")}) + "\n")
     with pytest.raises(ValueError, match="NaN"):
         strict_records(path)
+
+
+def test_metrics_hold_each_step_once_and_nothing_is_lost(tmp_path, capsys):
+    from {{ cookiecutter.project_slug }}.tracking import set_aside
+
+    path, aside = tmp_path / "metrics.jsonl", tmp_path / "metrics.dropped.jsonl"
+    rows = [{"step": s, "loss": 1.0 / s} for s in range(1, 7)] + [{"step": 4, "eval_loss": 2.0}]
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 7, "lo'  # a crash cut the last line short
+    path.write_text(text)
+    set_aside(path, 4)  # a resume from the checkpoint of step 4
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:4] + rows[6:]
+    assert aside.read_text() == "".join(json.dumps(r) + "\n" for r in rows[4:6]) + '{"step": 7, "lo\n'
+    assert capsys.readouterr().out.strip() == (f"note: 3 records of {path} after step 4 (logged before the job "
+                                               f"stopped) moved to {aside}")
+    set_aside(path, 4)  # the same resume again: nothing more to set aside, nothing said
+    assert capsys.readouterr().out == "" and len(path.read_text().splitlines()) == 5
+    set_aside(path, 0)  # a fresh run in the folder of a run that left no checkpoint
+    assert path.read_text() == "" and len(aside.read_text().splitlines()) == 8

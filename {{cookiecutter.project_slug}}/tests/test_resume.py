@@ -23,6 +23,7 @@ from conftest import (
     assert_same_training,
     background_run,
     c10d_launch_cmd,
+    dropped_steps,
     fault_one_worker,
     flag_args,
     free_port,
@@ -154,6 +155,11 @@ def test_killed_rank_restarts_from_the_last_checkpoint(runs, entry, tmp_path):
     assert resumed_from >= 10 and redone["step"] == resumed_from + 1
     crashed = Run(0, stdout, stderr, out)
     assert [r["step"] for r in last_records(crashed)] == list(range(1, 81))
+    # the steps logged after the checkpoint before the kill are set aside, not lost and not twice
+    dropped = dropped_steps(out)
+    assert dropped == list(range(resumed_from + 1, resumed_from + 1 + len(dropped)))
+    assert dropped[-1] >= killed_step
+    assert f"records of {out / 'metrics.jsonl'} after step {resumed_from} (logged before the job stopped)" in stdout
     # save_total_limit (2 in train.yaml): the newest two, complete; no temporary folder left
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_70", "step_80"]
     diff = assert_same_training(crashed, straight)

@@ -127,6 +127,29 @@ class Progress:
             self.bar.close()
 
 
+def set_aside(path: Path, step: int) -> None:
+    """Each optimizer step once in metrics.jsonl: the records after `step` (a resumed job's
+    checkpoint; 0 for a fresh run, whose folder may hold a crashed run's records) and any line a
+    crash cut short move to metrics.dropped.jsonl, appended there, never lost; one line says so."""
+    kept, dropped = [], []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            keep = step > 0 and json.loads(line).get("step", 0) <= step
+        except ValueError:
+            keep = False
+        (kept if keep else dropped).append(line + "\n")
+    if not dropped:
+        return
+    aside = path.with_name("metrics.dropped.jsonl")
+    with aside.open("a") as f:
+        f.writelines(dropped)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+    print0(f"note: {len(dropped)} records of {path} after step {step} (logged before the job stopped) moved "
+           f"to {aside}")
+
+
 class Tracker:
     """Rank 0 writes; other ranks hold a Tracker that does nothing.
 
@@ -144,8 +167,7 @@ class Tracker:
             return
         self.progress = Progress(total_steps, start_step, cfg.log_every)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not resumed:
-            self.path.write_text("")
+        set_aside(self.path, start_step if resumed else 0)
         if cfg.report_to == "wandb":
             self.wandb_run = _init_wandb(cfg, env, plan, resumed, accelerator)
 
