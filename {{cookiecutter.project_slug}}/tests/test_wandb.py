@@ -93,3 +93,20 @@ def test_offline_wandb_run(entry, env, tmp_path):
     evals = {step: row for step, row in rows.items() if "eval/loss" in row}
     assert sorted(evals) == [3]
     assert {k for k in evals[3] if k.startswith("eval/")} == EVAL_KEYS[TASK]
+
+
+def test_a_resumed_offline_run_names_every_folder_to_sync(env, tmp_path):
+    """A resume writes a second offline folder with the same run id: the printed command syncs both."""
+    wandb_dir = tmp_path / "wandb_runs"
+    wandb_dir.mkdir()
+    env = {k: v for k, v in env.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
+    env.update(WANDB_DIR=str(wandb_dir), HOME=str(tmp_path))
+    flags = {"report_to": "wandb", "micro_batch_size": 2, "global_batch_size": 16, "max_steps": 3}
+    first = run_entry(ENTRIES[0], 1, tmp_path / "out", env, {**flags, "stop_after_steps": 2})
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_entry(ENTRIES[0], 1, tmp_path / "out", env, {**flags, "resume_from_checkpoint": "auto"})
+    assert second.returncode == 0, second.stderr[-3000:]
+    folders = sorted(f.parent for f in wandb_dir.rglob("*.wandb"))
+    assert len(folders) == 2 and len({f.name.rpartition("-")[2] for f in folders}) == 1  # one run id
+    (sync,) = [line.partition("upload it with: ")[2] for line in second.stdout.splitlines() if "wandb sync" in line]
+    assert shlex.split(sync) == ["wandb", "sync", *map(str, folders)]

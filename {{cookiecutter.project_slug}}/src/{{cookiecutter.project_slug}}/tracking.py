@@ -203,9 +203,10 @@ class Tracker:
         if self.wandb_run is not None:
             run, self.wandb_run = self.wandb_run, None
             run.finish()
-            if run.settings.mode == "offline":
+            if run.settings.mode == "offline":  # every job of the run (a resume writes a folder of its own)
+                folders = sorted(Path(run.dir).parent.parent.glob(f"offline-run-*-{run.id}"))
                 print0(f"W&B run saved offline in {run.dir}; upload it with: "
-                       f"wandb sync {shlex.quote(str(Path(run.dir).parent))}")
+                       f"wandb sync {' '.join(shlex.quote(str(f)) for f in folders)}")
 
 
 def wandb_settings(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool) -> tuple[dict, dict]:
