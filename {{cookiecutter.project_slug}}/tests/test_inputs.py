@@ -89,6 +89,28 @@ def test_broken_data_is_one_line_naming_the_place(tmp_path, case, files, expecte
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("flags,expected", [
+    (["--global_batch_size", "16"], "global_batch_size 16 is larger than the training set of dataset {d}: 12 "
+                                    "examples; use a global batch of at most 12, or more data"),
+    (["--global_batch_size", "4", "--global_batch_size_schedule", "0:4,2:8,3:32"],
+     "global_batch_size_schedule '0:4,2:8,3:32' reaches 32, which is larger than the training set of dataset {d}: "
+     "12 examples"),
+])
+def test_a_global_batch_larger_than_the_training_set_is_one_line(tmp_path, flags, expected):
+    from {{ cookiecutter.project_slug }}.startup import start
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(GOOD_TRAIN)
+    (folder / "validation.jsonl").write_text(GOOD_VALIDATION)
+    cfg = load_config(["--config", CONFIG, "--task", "sequence_classification", "--dataset", str(folder),
+                       "--micro_batch_size", "4", "--output_dir", str(tmp_path / "out"),
+                       "--data_cache_dir", str(tmp_path / "cache"), *flags])
+    with pytest.raises(ConfigError) as err:
+        start(cfg, "pytorch")
+    assert str(err.value).startswith(expected.format(d=folder))
+
+
 def test_max_seq_len_must_leave_room_for_text():
     cfg = load_config(["--config", CONFIG, "--max_seq_len", "2"])
     with pytest.raises(ConfigError, match="max_seq_len 2 leaves no room for text: the tokenizer adds 2 special"):

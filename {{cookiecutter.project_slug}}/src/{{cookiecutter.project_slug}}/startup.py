@@ -111,6 +111,18 @@ def quiet_libraries(env: DistEnv) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def check_batch_fits_data(cfg: TrainConfig, schedule: tuple, examples: int) -> None:
+    """A global batch larger than the training set would never be reached: each step would take the
+    whole epoch while the records claimed the batch (an up-front check)."""
+    largest = max(size for _, size in schedule)
+    if largest > examples:
+        what = (f"global_batch_size {largest}" if len(schedule) == 1 else
+                f"global_batch_size_schedule {cfg.global_batch_size_schedule!r} reaches {largest}, which")
+        unit = f"blocks of {cfg.max_seq_len} tokens" if cfg.packing else "examples"
+        raise ConfigError(f"{what} is larger than the training set of dataset {cfg.dataset}: {examples} {unit}; "
+                          f"use a global batch of at most {examples}, or more data")
+
+
 def start(cfg: TrainConfig, entry: str) -> Run:
     """Every up-front check, then the run's facts. With --micro_batch_size auto the ranks meet once,
     to agree on the micro batch; every check after that fails the same way on every rank."""
@@ -138,6 +150,7 @@ def start(cfg: TrainConfig, entry: str) -> Run:
     prepared = prepare(cfg, tokenizer)
     config = model_config(cfg, tokenizer, prepared.num_labels or 2)
     data = prepared.data
+    check_batch_fits_data(cfg, schedule, len(data["train"]))
     if state is not None:
         before = state.get("num_train_examples", len(data["train"]))
         if before != len(data["train"]):
