@@ -29,6 +29,8 @@ def jsonl(records: list) -> str:
 GOOD_TRAIN, GOOD_VALIDATION = jsonl(rows(12)), jsonl(rows(4))
 # (case, files of the dataset folder, what the one line must say). {d} is the folder.
 BROKEN = [
+    ("one_class", {"train.jsonl": jsonl(rows(12, label=lambda i: 0)), "validation.jsonl": jsonl(rows(4, lambda i: 0))},
+     "dataset {d}/train.jsonl: every training label is 0, one class; classification needs at least two"),
     ("malformed_json_line", {"train.jsonl": GOOD_TRAIN + '{"text": "a", "label": 1\n' + GOOD_TRAIN},
      "dataset file {d}/train.jsonl line 13 is not valid JSON"),
     ("first_line_not_json", {"train.jsonl": "text,label\n"}, "dataset file {d}/train.jsonl line 1 is not valid JSON"),
@@ -109,6 +111,21 @@ def test_a_global_batch_larger_than_the_training_set_is_one_line(tmp_path, flags
     with pytest.raises(ConfigError) as err:
         start(cfg, "pytorch")
     assert str(err.value).startswith(expected.format(d=folder))
+
+
+def test_a_classification_head_of_other_classes_is_one_line(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from {{ cookiecutter.project_slug }}.model import model_config
+
+    cfg = load_config(["--config", CONFIG, "--task", "sequence_classification"])
+    tokenizer = load_tokenizer(cfg)
+    AutoModelForSequenceClassification.from_config(model_config(cfg, tokenizer, 2)).save_pretrained(tmp_path / "m")
+    cfg.model_name_or_path = str(tmp_path / "m")
+    assert model_config(cfg, tokenizer, 2).num_labels == 2
+    with pytest.raises(ConfigError, match=f"^model {tmp_path / 'm'} has a classification head of 2 classes, the "
+                                          "data has 3; use data with the model's classes"):
+        model_config(cfg, tokenizer, 3)
 
 
 def test_max_seq_len_must_leave_room_for_text():

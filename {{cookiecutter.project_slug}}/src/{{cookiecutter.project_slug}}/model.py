@@ -70,6 +70,11 @@ def model_config(cfg: TrainConfig, tokenizer, num_labels: int = 2):
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
     if cfg.task == "sequence_classification":
+        head = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
+        if head and config.num_labels != num_labels:
+            raise ConfigError(f"model {cfg.model_name_or_path} has a classification head of {config.num_labels} "
+                              f"classes, the data has {num_labels}; use data with the model's classes, or a model "
+                              "without a classification head")
         config.num_labels = num_labels
     return config
 

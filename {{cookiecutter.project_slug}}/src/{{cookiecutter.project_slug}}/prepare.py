@@ -254,6 +254,9 @@ def validate(raw: DatasetDict, source: Source, task: str) -> int:
             raise ConfigError(f"dataset {where[split]} example {index + 1} has label {low}: labels must be 0, 1, ...")
         labels[split] = set(pc.unique(column).to_pylist())
     classes = max(labels["train"]) + 1
+    if classes < 2:
+        raise ConfigError(f"dataset {where['train']}: every training label is 0, one class; classification needs "
+                          "at least two (labels 0 and 1), or train task causal_lm")
     missing = sorted(set(range(classes)) - labels["train"])
     if missing:
         shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
