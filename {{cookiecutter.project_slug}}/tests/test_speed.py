@@ -7,7 +7,7 @@ import torch
 
 from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
-from {{ cookiecutter.project_slug }}.speed import PEAK_TFLOPS, flops_per_token, peak_flops
+from {{ cookiecutter.project_slug }}.speed import PEAK_TFLOPS, flops_per_token, peak_flops, peak_tflops_for
 
 from conftest import (
     ACCUM,
@@ -87,9 +87,27 @@ def test_the_peak_comes_from_the_table_or_the_flag(monkeypatch):
     assert peak_flops(cfg, torch.device("cpu")) == 0  # no mfu on CPU unless given
     assert peak_flops(load_config(["--config", CONFIG, "--peak_tflops", "2.5"]), torch.device("cpu")) == 2.5e12
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    assert peak_flops(cfg, torch.device("cuda", 0)) == PEAK_TFLOPS["H100"]["bf16"] * 1e12
+    assert peak_flops(cfg, torch.device("cuda", 0)) == PEAK_TFLOPS["H100 SXM"]["bf16"] * 1e12
     fp32 = load_config(["--config", CONFIG])
-    assert peak_flops(fp32, torch.device("cuda", 0)) == PEAK_TFLOPS["H100"]["tf32"] * 1e12  # TF32 on by default
+    assert peak_flops(fp32, torch.device("cuda", 0)) == PEAK_TFLOPS["H100 SXM"]["tf32"] * 1e12  # TF32 on by default
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 NVL")
+    assert peak_flops(cfg, torch.device("cuda", 0)) == 835e12  # not the SXM's 989, whose name it contains
+
+
+@pytest.mark.parametrize("name,precision,tflops", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989), ("NVIDIA H100 PCIe", "bf16", 756), ("NVIDIA H100 NVL", "bf16", 835),
+    ("NVIDIA H200", "bf16", 989), ("NVIDIA H200 NVL", "bf16", 835), ("NVIDIA GH200 480GB", "tf32", 494),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312), ("NVIDIA A100-SXM4-40GB", "tf32", 156),
+    ("NVIDIA A100-PCIE-40GB", "fp16", 312), ("NVIDIA A100 80GB PCIe", "fp32", 19.5), ("NVIDIA L40S", "bf16", 362),
+    ("NVIDIA L40", "bf16", 181), ("NVIDIA L4", "bf16", 121), ("NVIDIA A10", "bf16", 125),
+    ("NVIDIA GeForce RTX 4090", "bf16", 165), ("Tesla V100-SXM2-32GB", "fp16", 125),
+    ("Tesla V100-PCIE-16GB", "fp16", 112), ("Tesla T4", "fp16", 65), ("NVIDIA  H200 ", "bf16", 989),
+    ("Tesla V100-SXM2-16GB", "bf16", None),  # no bf16 on a V100
+    ("NVIDIA H100", "bf16", None), ("NVIDIA H100 NVL 2", "bf16", None), ("NVIDIA L4 Super", "bf16", None),
+    ("NVIDIA B300", "bf16", None), ("", "bf16", None),
+])
+def test_the_peak_table_matches_whole_device_names(name, precision, tflops):
+    assert peak_tflops_for(name, precision) == tflops
 
 
 def test_every_record_carries_its_mfu_where_the_peak_is_known(env, tmp_path):

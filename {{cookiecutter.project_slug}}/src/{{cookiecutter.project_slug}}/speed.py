@@ -18,21 +18,43 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-# Dense peak FLOP/s per GPU, by a substring of torch.cuda.get_device_name() and the precision the
-# matmuls run in (vendors' data sheets, without sparsity). Unknown devices (and the CPU) have none:
-# give --peak_tflops.
+# Dense peak TFLOP/s per GPU model and the precision the matmuls run in (vendors' data sheets,
+# without sparsity); unknown devices (and the CPU) have none: give --peak_tflops.
 PEAK_TFLOPS = {
-    "H200": {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67},
+    "H100 SXM": {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67},
     "H100 PCIe": {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51},
-    "H100": {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67},
+    "H100 NVL": {"bf16": 835, "fp16": 835, "tf32": 418, "fp32": 60},
+    "H200 SXM": {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67},
+    "H200 NVL": {"bf16": 835, "fp16": 835, "tf32": 418, "fp32": 60},
+    "GH200": {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67},
     "A100": {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5},
     "L40S": {"bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6},
+    "L40": {"bf16": 181, "fp16": 181, "tf32": 90.5, "fp32": 90.5},
     "A10": {"bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2},
     "L4": {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30},
     "RTX 4090": {"bf16": 165, "fp16": 165, "tf32": 82.6, "fp32": 82.6},
-    "V100": {"fp16": 125, "fp32": 15.7},
+    "V100 SXM": {"fp16": 125, "fp32": 15.7},
+    "V100 PCIe": {"fp16": 112, "fp32": 14},
     "T4": {"fp16": 65, "fp32": 8.1},
 }
+# torch.cuda.get_device_name() as each model spells itself, matched whole: a name that only
+# contains another's ("H100 NVL" holds "H100", "L40" starts like "L4") must not read its peak.
+DEVICE_MODELS = {
+    "NVIDIA H100 80GB HBM3": "H100 SXM", "NVIDIA H100 PCIe": "H100 PCIe", "NVIDIA H100 NVL": "H100 NVL",
+    "NVIDIA H200": "H200 SXM", "NVIDIA H200 NVL": "H200 NVL", "NVIDIA GH200 480GB": "GH200",
+    "NVIDIA A100-SXM4-80GB": "A100", "NVIDIA A100-SXM4-40GB": "A100", "NVIDIA A100-PCIE-40GB": "A100",
+    "NVIDIA A100 80GB PCIe": "A100", "NVIDIA L40S": "L40S", "NVIDIA L40": "L40", "NVIDIA A10": "A10",
+    "NVIDIA L4": "L4", "NVIDIA GeForce RTX 4090": "RTX 4090", "Tesla V100-SXM2-16GB": "V100 SXM",
+    "Tesla V100-SXM2-32GB": "V100 SXM", "Tesla V100-PCIE-16GB": "V100 PCIe", "Tesla V100-PCIE-32GB": "V100 PCIe",
+    "Tesla T4": "T4",
+}
+
+
+def peak_tflops_for(device_name: str, precision: str) -> float | None:
+    """Dense TFLOP/s of the device `torch.cuda.get_device_name()` names, for matmuls in `precision`
+    (bf16 | fp16 | tf32 | fp32); None where the device or the precision is not in the table."""
+    model = DEVICE_MODELS.get(" ".join(device_name.split()))
+    return PEAK_TFLOPS[model].get(precision) if model else None
 
 
 def set_tf32(cfg: TrainConfig, device: torch.device) -> None:
@@ -54,9 +76,8 @@ def peak_flops(cfg: TrainConfig, device: torch.device) -> float:
         return cfg.peak_tflops * 1e12
     if device.type != "cuda":
         return 0.0
-    name = torch.cuda.get_device_name(device)
-    table = next((peaks for key, peaks in PEAK_TFLOPS.items() if key in name), {})
-    return table.get(matmul_precision(cfg, device), 0) * 1e12
+    peak = peak_tflops_for(torch.cuda.get_device_name(device), matmul_precision(cfg, device))
+    return (peak or 0) * 1e12
 
 
 def numel(parameter: torch.nn.Parameter) -> int:
