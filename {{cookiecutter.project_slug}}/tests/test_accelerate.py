@@ -38,6 +38,23 @@ def test_accelerate_config_loads(path):
         assert ds_file.name == f"zero{stage}.json" and ds_file.is_file()
 
 
+@pytest.mark.parametrize("path", DEEPSPEED, ids=lambda p: p.stem)
+def test_deepspeed_accumulates_gradients_in_fp32(path, monkeypatch):
+    """bf16 would otherwise be the gradient accumulation's dtype: DeepSpeed's own parser reads
+    fp32 from every shipped file, filled as a bf16 run fills it."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from {{ cookiecutter.project_slug }}.batch import plan_batches
+    from {{ cookiecutter.project_slug }}.config import load_config
+    from {{ cookiecutter.project_slug }}.launch import deepspeed_config
+
+    cfg = load_config(["--config", str(ROOT / "configs" / "train.yaml"), "--mixed_precision", "bf16"])
+    filled = deepspeed_config(cfg, plan_batches(16, 2, 1), str(path))
+    parsed = DeepSpeedConfig(filled)
+    assert (parsed.grad_accum_dtype, filled["bf16"]["enabled"]) == ("fp32", True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config,nproc", [("single", 1), ("multi_gpu", 2), ("deepspeed_zero2", 2)])
 def test_accelerate_launch_runs(config, nproc, env, tmp_path):
