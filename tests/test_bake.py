@@ -29,7 +29,7 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
         "scripts/flags.sh", "scripts/slurm/common.sh", "scripts/slurm/torchrun.sbatch",
         *(f"{pkg}/{m}.py" for m in ("__init__", "batch", "checkpoint", "checkpoint_files", "cli", "config", "data",
                                      "data_cache", "distributed", "errors", "evaluation", "launch", "memory", "model",
-                                     "noise", "optim", "prepare", "prepare_data", "session", "speed", "startup",
+                                     "noise", "optim", "prepare", "prepare_data", "session", "sources", "speed", "startup",
                                      "tracking", "windows")),
         *(f"docs/{name}.md" for name in ("batch", "data", "guarantees", "launching", "memory", "performance")),
         *(f"{pkg}/assets/data/{t}/{s}.jsonl" for t in TASKS for s in ("train", "validation")),

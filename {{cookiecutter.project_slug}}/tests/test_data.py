@@ -19,7 +19,8 @@ from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.data import IGNORE_INDEX, Collator, eval_dataloader
 from {{ cookiecutter.project_slug }}.data_cache import cache_folder
 from {{ cookiecutter.project_slug }}.model import count_targets, load_tokenizer
-from {{ cookiecutter.project_slug }}.prepare import check_source, find_source, pack, prepare
+from {{ cookiecutter.project_slug }}.prepare import pack, prepare
+from {{ cookiecutter.project_slug }}.sources import check_source, find_source
 from {{ cookiecutter.project_slug }}.windows import WindowSampler
 
 from conftest import DATA_CACHE, ENTRIES, ROOT, flag_args, run_entry

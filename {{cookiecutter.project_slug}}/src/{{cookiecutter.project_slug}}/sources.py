@@ -1,0 +1,263 @@
+"""The raw data: where it is (a folder of train/validation files, a save_to_disk() folder or a hub
+name), reading it, and its checks: cheap ones up front (files exist, the first record has the task's
+columns), full-pass ones (every line parses, texts are strings, labels 0..K-1) in the one reading.
+"""
+
+import contextlib
+import csv
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import transformers
+from datasets import DatasetDict, load_dataset, load_from_disk
+
+from . import ASSETS
+from .config import TrainConfig
+from .errors import ConfigError, first_line
+
+SPLITS = ("train", "validation")
+BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def columns_of(task: str) -> tuple[str, ...]:
+    return ("text", "label") if task == "sequence_classification" else ("text",)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the raw data is: files of a folder (by split), a save_to_disk() folder, or a hub name."""
+
+    name: str
+    files: dict[str, Path] | None = None
+    saved: Path | None = None
+
+    @property
+    def builder(self) -> str:
+        return BUILDERS[next(iter(self.files.values())).suffix]
+
+
+def find_source(cfg: TrainConfig) -> Source:
+    """The dataset named by `cfg.dataset`: its files found, none of them read (see check_source)."""
+    folder = ASSETS / "data" / cfg.task if cfg.dataset == "builtin" else Path(cfg.dataset)
+    if cfg.dataset != "builtin" and not folder.is_dir():
+        if folder.exists() or cfg.dataset.startswith((".", "/", "~")):
+            raise ConfigError(f"dataset {cfg.dataset} is not a folder of train/validation files")
+        return Source(cfg.dataset)  # a hub name: checked when it is loaded
+    if (folder / "dataset_dict.json").is_file():
+        for split in SPLITS:
+            if not (folder / split).is_dir():
+                raise ConfigError(f"dataset {folder} has no {split} split")
+        return Source(cfg.dataset, saved=folder)
+    files = {}
+    for split in SPLITS:
+        matches = [p for p in sorted(folder.glob(f"{split}.*")) if p.suffix in BUILDERS]
+        if not matches:
+            if split == "train":
+                raise ConfigError(f"dataset folder {folder} has no train.jsonl/.json/.csv/.parquet file")
+            raise ConfigError(f"dataset {folder} has no validation split (validation.jsonl/.json/.csv/.parquet)")
+        files[split] = matches[0]
+    if len({BUILDERS[p.suffix] for p in files.values()}) > 1:
+        raise ConfigError(f"dataset {folder}: {files['train'].name} and {files['validation'].name} must have "
+                          "one format")
+    for split, path in files.items():
+        if path.stat().st_size == 0:
+            raise ConfigError(f"dataset file {path} is empty: split {split} needs examples")
+    return Source(cfg.dataset, files=files)
+
+
+def check_source(source: Source, task: str) -> None:
+    """The cheap checks, run by every process before any waits for the preparation: each file's
+    first record (or header, or schema) has the task's columns. A warm start skips them: its data
+    was checked whole when it was prepared."""
+    if source.saved is not None:
+        _check_saved_columns(source, task)
+    for split, path in (source.files or {}).items():
+        _check_first_record(path, split, task)
+
+
+def _check_first_record(path: Path, split: str, task: str) -> None:
+    """The file's first record (or header, or schema) has the task's columns."""
+    if path.suffix == ".parquet":
+        try:
+            names = pq.read_schema(path).names
+        except Exception as err:  # pyarrow's errors for a damaged file are several
+            raise ConfigError(f"dataset file {path} is not a readable parquet file: {err}") from None
+    elif path.suffix == ".csv":
+        with path.open(newline="", errors="replace") as f:
+            names = next(csv.reader(f), [])
+    else:
+        with path.open(errors="replace") as f:
+            number, line = next(((n, text) for n, text in enumerate(f, 1) if text.strip()), (0, ""))
+        if not number:
+            raise ConfigError(f"dataset file {path} holds no examples: split {split} needs some")
+        if path.suffix == ".json" and line.lstrip().startswith("["):
+            return  # a JSON array: its records are checked when it is read
+        record = _parse_json_line(path, number, line)
+        names = list(record)
+    _check_columns(names, f"dataset file {path}", task)
+
+
+def _check_saved_columns(source: Source, task: str) -> None:
+    for split in SPLITS:
+        try:
+            info = json.loads((source.saved / split / "dataset_info.json").read_text())
+            names = list(info["features"])
+        except (OSError, ValueError, KeyError) as err:
+            raise ConfigError(f"dataset {source.saved} split {split} is not a readable save_to_disk() "
+                              f"folder ({err!r})") from None
+        _check_columns(names, f"dataset {source.saved} split {split}", task)
+
+
+def _check_columns(names: list[str], where: str, task: str) -> None:
+    missing = [c for c in columns_of(task) if c not in names]
+    if missing:
+        raise ConfigError(f"{where} lacks column(s) {', '.join(missing)} needed by task {task} "
+                          f"(it has {', '.join(map(str, names)) or 'none'})")
+
+
+def _parse_json_line(path: Path, number: int, line: str) -> dict:
+    try:
+        record = json.loads(line)
+    except ValueError as err:
+        raise ConfigError(f"dataset file {path} line {number} is not valid JSON: {err}") from None
+    if not isinstance(record, dict):
+        raise ConfigError(f"dataset file {path} line {number} is not a JSON object: {line.strip()[:60]}")
+    return record
+
+
+def _first_bad_json(path: Path) -> None:
+    """Raise for the first place of a JSON (array or lines) file that does not parse: the error path
+    only, since a library's message for it names a block, not a line."""
+    text = path.read_text(errors="replace")
+    if text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except ValueError as err:
+            raise ConfigError(f"dataset file {path} is not valid JSON at line {err.lineno}, column {err.colno}: "
+                              f"{err.msg}") from None
+        return
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            _parse_json_line(path, number, line)
+
+
+@contextlib.contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """datasets logs its own copy of every read error (and progress bars), the tokenizer warns of
+    every document longer than its model (packing cuts them itself): we say what matters in a line."""
+    levels = datasets.logging.get_verbosity(), transformers.logging.get_verbosity()
+    datasets.logging.set_verbosity(logging.CRITICAL)
+    transformers.logging.set_verbosity(logging.ERROR)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(levels[0])
+        transformers.logging.set_verbosity(levels[1])
+
+
+def read_raw(source: Source, cache_dir: Path | None) -> DatasetDict:
+    """The train and validation splits as Arrow tables (written under `cache_dir`). A folder's
+    files are read one by one, so each has its own column types and its own error."""
+    cache = cache_dir and str(cache_dir)
+    with quiet_datasets():
+        if source.saved is not None:
+            raw = load_from_disk(str(source.saved))
+        elif source.files is not None:
+            raw = {split: _read_file(path, source.builder, cache) for split, path in source.files.items()}
+        else:
+            try:
+                raw = load_dataset(source.name, cache_dir=cache)
+            except Exception as err:  # the hub's errors are many; the user needs the first line
+                raise ConfigError(f"cannot load dataset {source.name!r}: {first_line(err)}") from None
+    if "validation" not in raw:
+        raise ConfigError(f"dataset {source.name} has no validation split")
+    return DatasetDict(train=raw["train"], validation=raw["validation"])
+
+
+def _read_file(path: Path, builder: str, cache_dir: str | None):
+    try:
+        return load_dataset(builder, data_files={"train": str(path)}, cache_dir=cache_dir)["train"]
+    except Exception as err:  # pyarrow, pandas and datasets each raise their own
+        if "corresponds to no data" in str(err):
+            raise ConfigError(f"dataset file {path} holds no examples") from None
+        if builder == "json":
+            _first_bad_json(path)
+        cause = err
+        while cause.__cause__ or cause.__context__:
+            cause = cause.__cause__ or cause.__context__
+        raise ConfigError(f"dataset file {path} cannot be read: {first_line(cause)}") from None
+
+
+def _value_type(feature) -> str:
+    return getattr(feature, "dtype", type(feature).__name__)
+
+
+def _describe(value) -> str:
+    return f"{value!r} ({type(value).__name__})" if value is not None else "null"
+
+
+def _first(split, column: str, bad) -> tuple[int, object]:
+    """The first example whose `column` value is `bad(value)`: only run once a problem is known."""
+    for index, value in enumerate(split[column]):
+        if bad(value):
+            return index, value
+    return -1, None
+
+
+def validate(raw: DatasetDict, source: Source, task: str) -> int:
+    """Every check that needs the whole data; returns the number of labels (classification) or 0."""
+    where = {split: str(source.files[split]) if source.files else f"{source.name} split {split}" for split in SPLITS}
+    for split in SPLITS:
+        data = raw[split]
+        if len(data) == 0:
+            raise ConfigError(f"dataset {where[split]} holds no examples: split {split} needs some")
+        for column in columns_of(task):
+            if column not in data.column_names:
+                raise ConfigError(f"dataset {where[split]} lacks column {column} needed by task {task}")
+        text = data.features["text"]
+        if _value_type(text) not in ("string", "large_string"):
+            index, value = _first(data, "text", lambda v: not isinstance(v, str))
+            raise ConfigError(f"dataset {where[split]} example {index + 1} has text {_describe(value)}: every "
+                              "text must be a string")
+        if data.data.column("text").null_count:
+            index = pc.index(pc.is_null(data.data.column("text")), True).as_py()
+            raise ConfigError(f"dataset {where[split]} example {index + 1} has text null: every text must be a string")
+    if task != "sequence_classification":
+        return 0
+    labels = {}
+    for split in SPLITS:
+        data, feature = raw[split], raw[split].features["label"]
+        column = data.data.column("label")
+        integer = _value_type(feature).startswith(("int", "uint"))
+        if not integer or column.null_count:
+            index, value = _first(data, "label", lambda v: type(v) is not int)
+            raise ConfigError(f"dataset {where[split]} example {index + 1} has label {_describe(value)}: labels "
+                              "must be whole numbers 0, 1, ... (one per class)")
+        low = pc.min(column).as_py()
+        if low < 0:
+            index = pc.index(column, low).as_py()
+            raise ConfigError(f"dataset {where[split]} example {index + 1} has label {low}: labels must be 0, 1, ...")
+        labels[split] = set(pc.unique(column).to_pylist())
+    classes = max(labels["train"]) + 1
+    if classes < 2:
+        raise ConfigError(f"dataset {where['train']}: every training label is 0, one class; classification needs "
+                          "at least two (labels 0 and 1), or train task causal_lm")
+    missing = sorted(set(range(classes)) - labels["train"])
+    if missing:
+        shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+        raise ConfigError(f"dataset {where['train']}: training labels must be 0..{classes - 1} with every class "
+                          f"present, but {len(missing)} of them have no example ({shown}); number the classes "
+                          "0..K-1")
+    unknown = sorted(labels["validation"] - labels["train"])
+    if unknown:
+        index = pc.index(raw["validation"].data.column("label"), unknown[0]).as_py()
+        raise ConfigError(f"dataset {where['validation']} example {index + 1} has label {unknown[0]}, which no "
+                          f"training example has (training labels are 0..{classes - 1})")
+    return classes
