@@ -159,7 +159,7 @@ def test_metrics_hold_each_step_once_and_nothing_is_lost(tmp_path, capsys):
 
     path, aside = tmp_path / "metrics.jsonl", tmp_path / "metrics.dropped.jsonl"
     rows = [{"step": s, "loss": 1.0 / s} for s in range(1, 7)] + [{"step": 4, "eval_loss": 2.0}]
-    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 7, "lo'  # a crash cut the last line short
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '\n{"step": 7, "lo'  # a crash cut the last line short
     path.write_text(text)
     set_aside(path, 4)  # a resume from the checkpoint of step 4
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:4] + rows[6:]

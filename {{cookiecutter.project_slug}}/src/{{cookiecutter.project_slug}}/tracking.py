@@ -133,6 +133,8 @@ def set_aside(path: Path, step: int) -> None:
     crash cut short move to metrics.dropped.jsonl, appended there, never lost; one line says so."""
     kept, dropped = [], []
     for line in path.read_text().splitlines() if path.is_file() else []:
+        if not line.strip():
+            continue
         try:
             keep = step > 0 and json.loads(line).get("step", 0) <= step
         except ValueError:
@@ -146,8 +148,8 @@ def set_aside(path: Path, step: int) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(kept))
     tmp.replace(path)
-    print0(f"note: {len(dropped)} records of {path} after step {step} (logged before the job stopped) moved "
-           f"to {aside}")
+    print0(f"note: {len(dropped)} record{'s' if len(dropped) > 1 else ''} of {path} after step {step} (logged "
+           f"before the job stopped) moved to {aside}")
 
 
 class Tracker:
