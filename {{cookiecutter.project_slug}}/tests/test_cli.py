@@ -50,7 +50,7 @@ def test_a_bad_input_exits_2_with_one_line(entry, env, tmp_path):
 
 @pytest.mark.slow
 def test_bad_inputs_found_at_each_stage_of_the_start_exit_2_with_one_line(env, tmp_path):
-    """Every entry point runs the same start-up checks (Session.start), whose messages the
+    """Every entry point runs the same start-up checks (startup.start), whose messages the
     in-process tests check one by one (test_config, test_inputs, test_continue): here one mistake
     found at each stage of the start-up (flags, output folder, resume, data, model) on the command
     line, each exit code 2 and one line."""

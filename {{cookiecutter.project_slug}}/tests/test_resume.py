@@ -55,7 +55,7 @@ def test_stop_and_resume_is_exact(runs, entry, tmp_path):
     assert [r["step"] for r in first.steps] == [1, 2, 3, 4] and first.evals == []
     shutil.copytree(out, tmp_path / "on_one_process")
 
-    if entry == ENTRIES[0]:  # the refusal is Session.start's, shared by every entry point
+    if entry == ENTRIES[0]:  # the refusal is startup.start's, shared by every entry point
         again = run_entry(entry, 2, out, runs.env, ACCUM)
         assert again.returncode == 1  # torchrun's code for workers that exited with 2
         worker_error_lines(again.stderr, f"error: output_dir {out} already holds checkpoints (step_4); pass "
