@@ -96,7 +96,7 @@ def test_slug_is_used_everywhere(baked):
     assert project_files(project) == expected_files("acme_train", "all", "2")
 
 
-GENERATED_SUITE_TIMEOUT_S = 3600  # the default bake's slow tier: about 40 minutes on a 2-core Xeon VM (2026-12)
+GENERATED_SUITE_TIMEOUT_S = 3600  # the default bake's slow tier: about 37 minutes on a 2-core VM (2026-12-02)
 
 
 def run_generated_suite(project: Path, *pytest_args: str) -> subprocess.CompletedProcess:
