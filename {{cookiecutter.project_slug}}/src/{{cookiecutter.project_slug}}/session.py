@@ -41,7 +41,6 @@ class Session:
         self.job_steps = 0  # optimizer steps taken by this job (a resumed job starts again at 0)
         self.nonfinite: list[int] = []  # the latest consecutive non-finite steps
         self.stop_reason = ""
-        self.window: Window | None = None  # the window being trained
         self.last_elapsed_s = 0.0
         self.flops_per_token = flops_per_token(model, self.cfg.max_seq_len)
         self._announce(model)
@@ -96,10 +95,9 @@ class Session:
                 set_rng_state(random_state)
             end = min(self.sampler.steps_per_epoch, s + self.run.total_steps - done)
             while s < end:
-                self.window = self.sampler.window_at(
-                    done, [next(micro_batches) for _ in range(self.sampler.micro_steps(s))])
+                window = self.sampler.window_at(done, [next(micro_batches) for _ in range(self.sampler.micro_steps(s))])
                 random_state = rng_state() if self.retry.enabled else None
-                yield self.window
+                yield window
                 if self.retry.retrying:  # the loader starts again at this window, with the smaller micro batch
                     self.retry.retrying = False
                     break

@@ -59,9 +59,9 @@ class Run:
     noise_state: tuple  # the gradient noise scale's running estimate, from the checkpoint
     preemption: PreemptionSignal  # SIGUSR1, listened for from start-up on
 
-    def sampler(self, plan: BatchPlan | None = None) -> WindowSampler:
-        """A sampler of this run's windows on this rank (under `plan`, the start's by default)."""
-        return WindowSampler(len(self.data["train"]), plan or self.plan, self.env.rank, self.cfg.seed,
+    def sampler(self) -> WindowSampler:
+        """A sampler of this run's windows on this rank, under the starting plan."""
+        return WindowSampler(len(self.data["train"]), self.plan, self.env.rank, self.cfg.seed,
                              min_rows=2 if self.cfg.compile else 1)
 
     def init_distributed(self) -> None:
