@@ -10,10 +10,10 @@ import subprocess
 import pytest
 import torch
 
-from {{ cookiecutter.project_slug }}.checkpoint import MUST_MATCH, check_same_training, verify_checkpoint
+from {{ cookiecutter.project_slug }}.checkpoint import MUST_MATCH, check_same_data, check_same_training, verify_checkpoint
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 
-from conftest import ACCUM, ENTRIES, ROOT, Run, flag_args, launch_cmd, one_error_line, run_entry, snapshot
+from conftest import ACCUM, ENTRIES, ROOT, SLUG, TASK, Run, flag_args, launch_cmd, one_error_line, run_entry, snapshot
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 # One process, 2 checkpoints: a run stopped after step 4 of 6 (checkpoints at steps 2 and 4).
@@ -113,7 +113,7 @@ def test_a_resume_compares_against_the_merged_config(stopped, tmp_path):
 
 
 CHANGED = {"global_batch_size": 32, "seed": 7, "task": "sequence_classification", "model_name_or_path": "gpt2",
-           "dataset": "other/data", "max_seq_len": 32, "optimizer": "sgd", "learning_rate": 0.01,
+           "max_seq_len": 32, "optimizer": "sgd", "learning_rate": 0.01,
            "lr_scheduler_type": "cosine", "warmup_steps": 1, "weight_decay": 0.5, "max_grad_norm": 0.5,
            "mixed_precision": "fp16", "packing": "true", "global_batch_size_schedule": "0:16,2:32",
            "lr_batch_scaling": "sqrt"}
@@ -129,7 +129,30 @@ def config_with(stopped, **changes):
 
 
 def test_every_training_key_is_checked():
-    assert set(CHANGED) == set(MUST_MATCH)
+    assert set(CHANGED) | {"dataset"} == set(MUST_MATCH)  # dataset: by its content (check_same_data)
+
+
+def test_the_dataset_is_compared_by_its_content_not_its_path(stopped, tmp_path):
+    """The same examples staged to another folder continue; other examples of the same number, or
+    another number of examples, are refused naming dataset; a checkpoint written before content
+    fingerprints compares the path."""
+    checkpoint = stopped / "checkpoints" / "step_4"
+    state = verify_checkpoint(checkpoint)
+    staged = config_with(stopped, dataset=str(tmp_path / "staged"))
+    check_same_training(state, staged, checkpoint)
+    check_same_data(state, staged, state["data_fingerprint"], state["num_train_examples"], checkpoint)
+    with pytest.raises(ConfigError) as err:
+        check_same_data(state, staged, "0" * 64, state["num_train_examples"], checkpoint)
+    assert str(err.value) == (f"{checkpoint} was trained on other data than dataset {tmp_path / 'staged'} holds now "
+                              f"(data_fingerprint {state['data_fingerprint']}, now {'0' * 64}): a run continues only "
+                              "on the same training examples (the files may move); restore them, or start a new run "
+                              "in another --output_dir")
+    with pytest.raises(ConfigError, match=f"^{checkpoint} was trained on {state['num_train_examples']} training "
+                                          f"examples, dataset {tmp_path / 'staged'} now has 3; "):
+        check_same_data(state, staged, state["data_fingerprint"], 3, checkpoint)
+    older = {key: value for key, value in state.items() if key != "data_fingerprint"}
+    with pytest.raises(ConfigError, match=f"^{checkpoint} was trained with dataset 'builtin', this run has dataset "):
+        check_same_training(older, staged, checkpoint)
 
 
 @pytest.mark.parametrize("key", sorted(CHANGED))
@@ -164,6 +187,27 @@ def test_a_changed_key_on_resume_is_one_line_from_the_command_line(stopped, runs
                   "--resume_from_checkpoint", "auto")
     one_error_line(proc, f"{out / 'checkpoints' / 'step_4'} was trained with global_batch_size 16, this run has "
                          "global_batch_size 32; a run continues only with the same global_batch_size")
+
+
+@pytest.mark.slow
+def test_a_resume_reads_the_same_examples_wherever_they_lie(stopped, runs, tmp_path):
+    """The run's files staged to another folder (node-local disk) resume; the same number of other
+    examples (the rows in another order) is one line naming dataset, and changes nothing."""
+    source, out = ROOT / "src" / SLUG / "assets" / "data" / TASK, tmp_path / "copy"
+    shutil.copytree(stopped, out)
+    other = tmp_path / "other"
+    shutil.copytree(source, other)
+    rows = (other / "train.jsonl").read_text().splitlines()
+    (other / "train.jsonl").write_text("\n".join(rows[1:] + rows[:1]) + "\n")
+    resume = [*overlaid(stopped), *flags_of({**STOPPED, "stop_after_steps": 0}), "--resume_from_checkpoint", "auto"]
+    before = snapshot(out)
+    one_error_line(launch(ENTRIES[0], out, runs.env, *resume, "--dataset", str(other)),
+                   f"{out / 'checkpoints' / 'step_4'} was trained on other data than dataset {other} holds now")
+    assert snapshot(out) == before
+    staged = shutil.copytree(source, tmp_path / "staged")
+    resumed = launch(ENTRIES[0], out, runs.env, *resume, "--dataset", str(staged))
+    assert resumed.returncode == 0 and "resuming after step 4" in resumed.stdout, resumed.stderr[-3000:]
+    assert [r["step"] for r in Run(0, "", "", out).steps] == list(range(1, 7))
 
 
 @pytest.mark.slow

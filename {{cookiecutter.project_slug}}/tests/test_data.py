@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from datasets import Dataset, concatenate_datasets
 
+from {{ cookiecutter.project_slug }} import prepare as prepare_module
 from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.data import IGNORE_INDEX, Collator, eval_dataloader
@@ -184,18 +185,128 @@ def corpus(tmp_path):
     return folder
 
 
-def test_a_warm_start_reads_only_the_prepared_data(corpus, tmp_path):
-    """The second start finds the prepared folder by the raw files' size and mtime, and does not
-    read them: garbage of the same size and mtime in their place changes nothing."""
+def test_a_warm_start_reads_only_the_prepared_data(corpus, tmp_path, monkeypatch):
+    """The second start finds the prepared folder by the raw files' size and times, checks the
+    folder's own checksums and reads nothing else: neither the raw files' check nor their reading runs."""
     first = prepare_in(corpus, tmp_path / "cache")
     meta = (first.folder / "prepared.json").stat().st_mtime_ns
-    train = corpus / "train.jsonl"
-    stat = train.stat()
-    train.write_bytes(b"\0" * stat.st_size)
-    os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("a warm start read the raw files")
+
+    monkeypatch.setattr(prepare_module, "check_source", unexpected)
+    monkeypatch.setattr(prepare_module, "read_raw", unexpected)
     second = prepare_in(corpus, tmp_path / "cache")
     assert second.folder == first.folder and (second.folder / "prepared.json").stat().st_mtime_ns == meta
     assert second.data["train"]["input_ids"] == first.data["train"]["input_ids"]
+    assert second.fingerprint == first.fingerprint
+
+
+def test_an_edit_that_keeps_the_size_and_the_mtime_prepares_anew(corpus, tmp_path):
+    """Other words of the same length, the modification time put back: the change time still moves,
+    so the edit is prepared, not the old tokens trusted."""
+    first = prepare_in(corpus, tmp_path / "cache")
+    train = corpus / "train.jsonl"
+    stat, text = train.stat(), train.read_text()
+    train.write_text(text.replace("the", "cat", 1))
+    os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (train.stat().st_size, train.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    second = prepare_in(corpus, tmp_path / "cache")
+    assert second.folder != first.folder and second.fingerprint != first.fingerprint
+    assert second.data["train"]["input_ids"] != first.data["train"]["input_ids"]
+
+
+def _zero_the_middle(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 64] = bytes(64)
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {"zeroed_bytes": _zero_the_middle,
+          "truncated": lambda p: p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 3]),
+          "garbage": lambda p: p.write_bytes(os.urandom(p.stat().st_size)), "missing": lambda p: p.unlink()}
+
+
+@pytest.mark.parametrize("how", [*DAMAGE, "meta"])
+def test_a_damaged_cache_is_prepared_again_with_one_line(corpus, tmp_path, capsys, how):
+    first = prepare_in(corpus, tmp_path / "cache")
+    tokens = list(first.data["train"]["input_ids"])  # read now: the folder is memory-mapped
+    (arrow,) = (first.folder / "train").glob("*.arrow")
+    if how == "meta":
+        (first.folder / "prepared.json").write_text("{not json")
+    else:
+        DAMAGE[how](arrow)
+    capsys.readouterr()
+    second = prepare_in(corpus, tmp_path / "cache")
+    lines = capsys.readouterr().out.splitlines()
+    damaged = [line for line in lines if "is damaged" in line]
+    assert len(damaged) == 1 and damaged[0].startswith(f"data: the prepared data in {first.folder} is damaged ("), lines
+    assert damaged[0].endswith("; preparing it again")
+    assert second.folder == first.folder and list(second.data["train"]["input_ids"]) == tokens
+    assert second.fingerprint == first.fingerprint
+
+
+def test_the_fingerprint_is_of_the_content_not_the_place(corpus, tmp_path):
+    """The same files staged to another folder (a node's local disk) fingerprint alike, however many
+    processes tokenised them; other texts of the same number of examples do not."""
+    first = prepare_in(corpus, tmp_path / "cache")
+    staged = tmp_path / "staged"
+    shutil.copytree(corpus, staged)
+    again = prepare_in(staged, tmp_path / "cache", "--data_num_proc", "2")
+    assert again.folder != first.folder and again.fingerprint == first.fingerprint
+    lines = (corpus / "train.jsonl").read_text().splitlines()
+    (staged / "train.jsonl").write_text("\n".join(lines[1:] + lines[:1]) + "\n")  # the same rows, another order
+    other = prepare_in(staged, tmp_path / "cache")
+    assert len(other.data["train"]) == len(first.data["train"]) and other.fingerprint != first.fingerprint
+
+
+def _shard(corpus, names):
+    """train.jsonl cut into len(names) consecutive shards of the given names."""
+    lines = (corpus / "train.jsonl").read_text().splitlines(keepends=True)
+    (corpus / "train.jsonl").unlink()
+    size = math.ceil(len(lines) / len(names))
+    for index, name in enumerate(names):
+        (corpus / name).write_text("".join(lines[index * size:(index + 1) * size]))
+
+
+@pytest.mark.parametrize("names", [["train.00.jsonl", "train.01.jsonl"],
+                                   [f"train.{i}.jsonl" for i in range(1, 11)],
+                                   [f"train-{i:05d}-of-00004.jsonl" for i in range(4)]])
+def test_numbered_shards_are_read_together_in_order(corpus, tmp_path, names):
+    whole = prepare_in(corpus, tmp_path / "cache")
+    _shard(corpus, names)
+    sharded = prepare_in(corpus, tmp_path / "cache")
+    assert len(sharded.data["train"]) == 800 and sharded.fingerprint == whole.fingerprint
+    assert sharded.data["train"]["input_ids"] == whole.data["train"]["input_ids"]
+
+
+@pytest.mark.parametrize("names,expected", [
+    (["train.jsonl", "train.backup.jsonl"], "has train.backup.jsonl, train.jsonl for split train: which to read is "
+                                            "not clear; keep one train.jsonl/.json/.csv/.parquet, or numbered shards"),
+    (["train.jsonl", "train.00.jsonl"], "has train.00.jsonl, train.jsonl for split train: which to read is not clear"),
+    (["train.00.jsonl", "train.00.csv"], "has train.00.csv, train.00.jsonl for split train"),
+    (["train.backup.jsonl"], "has train.backup.jsonl for split train: which to read is not clear"),
+    (["train.00.jsonl", "train.02.jsonl"], "has the train shards train.00.jsonl, train.02.jsonl, not numbered "
+                                           "without gaps (shard 1 is missing)"),
+    (["train-00000-of-00003.jsonl", "train-00001-of-00003.jsonl"], "(shard 2 is missing)"),
+    (["train.1.jsonl", "train.01.jsonl", "train.2.jsonl"], "(shard 1 twice)"),
+])
+def test_an_ambiguous_split_is_one_line_naming_its_files(corpus, tmp_path, names, expected):
+    text = (corpus / "train.jsonl").read_text()
+    (corpus / "train.jsonl").unlink()
+    for name in names:
+        (corpus / name).write_text(text)
+    with pytest.raises(ConfigError) as err:
+        prepare_in(corpus, tmp_path / "cache")
+    assert f"dataset {corpus} " in str(err.value) and expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_bad_line_in_a_shard_names_the_shard_and_its_line(corpus, tmp_path):
+    _shard(corpus, ["train.00.jsonl", "train.01.jsonl"])
+    with (corpus / "train.01.jsonl").open("a") as f:
+        f.write('{"text": 5}\n')
+    with pytest.raises(ConfigError, match=f"^dataset {corpus / 'train.01.jsonl'} example 401 has text 5 \\(int\\)"):
+        prepare_in(corpus, tmp_path / "cache")
 
 
 @pytest.mark.parametrize("change", ["file", "max_seq_len", "packing"])

@@ -63,7 +63,7 @@ BROKEN = [
      "dataset file {d}/train.jsonl lacks column(s) label needed by task sequence_classification"),
     ("csv_row_too_long", {"train.csv": "text,label\na b,1\nc d,0,9\n", "validation.csv": "text,label\na,1\n"},
      "dataset file {d}/train.csv cannot be read: Error tokenizing data. C error: Expected 2 fields in line 3"),
-    ("parquet_damaged", {"train.parquet": "PAR1 not really", "validation.parquet": "PAR1", "validation.jsonl": None},
+    ("parquet_damaged", {"train.parquet": "PAR1 not really", "validation.parquet": "PAR1"},
      "dataset file {d}/train.parquet is not a readable parquet file"),
     ("json_array_cut_short", {"train.json": '[{"text": "a", "label": 0},\n {"text": "b", "label"',
                               "validation.json": '[{"text": "a", "label": 0}]'},
@@ -78,8 +78,9 @@ def test_broken_data_is_one_line_naming_the_place(tmp_path, case, files, expecte
     folder = tmp_path / case
     folder.mkdir()
     contents = {"train.jsonl": GOOD_TRAIN, "validation.jsonl": GOOD_VALIDATION, **files}
-    if any(name.startswith("train.") and name != "train.jsonl" for name in files):
-        del contents["train.jsonl"]
+    for split in ("train", "validation"):  # a file of another format replaces the split's .jsonl
+        if any(name.startswith(f"{split}.") and name != f"{split}.jsonl" for name in files):
+            contents.pop(f"{split}.jsonl", None)
     for name, text in contents.items():
         if text is not None:
             (folder / name).write_text(text)

@@ -25,7 +25,8 @@ from .errors import ConfigError, JobFailed, first_line
 STATE_FILE = "state.json"
 FINAL_DIR = "final_model"
 # Keys that change the training: a checkpoint continues only under the same values. Every other key
-# may change on resume (world size, micro batch, evaluation, logging...).
+# may change on resume (world size, micro batch, evaluation, logging...). `dataset` is compared by
+# the content of its prepared training examples (check_same_data), not by its path.
 MUST_MATCH = ("global_batch_size", "global_batch_size_schedule", "lr_batch_scaling", "seed", "task",
               "model_name_or_path", "dataset", "max_seq_len", "packing", "optimizer", "learning_rate",
               "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "mixed_precision")
@@ -113,7 +114,9 @@ def _length(config: dict) -> tuple[str, int]:
 def check_same_training(state: dict, cfg: TrainConfig, where: Path) -> None:
     """The keys that change the training must be those `where` was trained with (ConfigError)."""
     old, new = state["config"], cfg.to_dict()
-    differences = [(key, old[key], new[key]) for key in MUST_MATCH if key in old and old[key] != new[key]]
+    by_content = {"dataset"} if "data_fingerprint" in state else set()
+    differences = [(key, old[key], new[key]) for key in MUST_MATCH
+                   if key in old and old[key] != new[key] and key not in by_content]
     if {"max_steps", "num_epochs"} <= set(old) and _length(old) != _length(new):
         key = _length(old)[0] if _length(old)[0] == _length(new)[0] else "max_steps"
         differences.append((key, old[key], new[key]))
@@ -122,6 +125,21 @@ def check_same_training(state: dict, cfg: TrainConfig, where: Path) -> None:
         raise ConfigError(f"{where} was trained with {key} {before!r}, this run has {key} {now!r}; a run "
                           f"continues only with the same {key} (pass --{key} {shlex.quote(str(before))}), or start a "
                           "new run in another --output_dir")
+
+
+def check_same_data(state: dict, cfg: TrainConfig, fingerprint: str, examples: int, where: Path) -> None:
+    """A run continues only on the training examples it was trained on: the same content (its
+    fingerprint), wherever the files now lie (ConfigError)."""
+    before = state.get("num_train_examples", examples)
+    if before != examples:
+        raise ConfigError(f"{where} was trained on {before} training examples, dataset {cfg.dataset} now has "
+                          f"{examples}; a run continues only on the same data, or start a new run in another "
+                          "--output_dir")
+    if state.get("data_fingerprint", fingerprint) != fingerprint:
+        raise ConfigError(f"{where} was trained on other data than dataset {cfg.dataset} holds now (data_fingerprint "
+                          f"{state['data_fingerprint']}, now {fingerprint}): a run continues only on the same "
+                          "training examples (the files may move); restore them, or start a new run in another "
+                          "--output_dir")
 
 
 def check_same_entry(state: dict, entry: str, backend: str, where: Path) -> None:

@@ -1,6 +1,7 @@
 """Where prepared data lives and who prepares it: a folder in data_cache_dir named by a hash of
-everything that changes the prepared data, and a lock file so that one process per filesystem
-prepares it while the others wait (prepare.py does the preparing).
+everything that changes the prepared data, checksums that tell a damaged folder, the content's
+fingerprint, and a lock file so that one process per filesystem prepares it while the others wait
+(prepare.py does the preparing).
 """
 
 import contextlib
@@ -10,24 +11,89 @@ import os
 import socket
 import threading
 import time
+import zlib
 from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from .config import TrainConfig
 
-CACHE_FORMAT = 1  # bump when what preparation writes changes: older caches are then not used
+CACHE_FORMAT = 2  # bump when what preparation writes changes: older caches are then not used
 META_FILE = "prepared.json"
 HEARTBEAT_S, STALE_S = 5.0, 60.0
+BLOCK = 1 << 20  # checksummed piece of a prepared file
+CHECKED_BLOCKS = 64  # a warm start checks every piece of a file up to this many, else this many spread over it
 
 
 def source_fingerprint(source) -> list:
-    """What identifies the raw data without reading it: each file's path, size and mtime."""
+    """What identifies the raw data without reading it: each file's path, size, modification and
+    change time (an edit that keeps the size and puts the mtime back still changes the ctime)."""
     if source.files is not None:
-        files = list(source.files.values())
+        files = [p for paths in source.files.values() for p in paths]
     elif source.saved is not None:
         files = sorted(p for p in source.saved.rglob("*") if p.is_file())
     else:
         return [source.name]
-    return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_ctime_ns) for p in files]
+
+
+def content_fingerprint(split) -> str:
+    """A hash of a prepared split's examples (their tokens, and labels), not of where they came from:
+    the same corpus staged to another folder, or tokenised by other processes, hashes alike."""
+    digest = hashlib.sha256()
+    for name in sorted(split.column_names):
+        lengths, values = hashlib.sha256(), hashlib.sha256()
+        for chunk in split.data.column(name).chunks:
+            if pa.types.is_list(chunk.type) or pa.types.is_fixed_size_list(chunk.type):
+                lengths.update(pc.list_value_length(chunk).to_numpy(zero_copy_only=False).astype(np.int64).tobytes())
+                chunk = pc.list_flatten(chunk)
+            values.update(chunk.to_numpy(zero_copy_only=False).astype(np.int64).tobytes())
+        digest.update(name.encode() + lengths.digest() + values.digest())
+    return digest.hexdigest()[:32]
+
+
+def _blocks(path: Path, wanted=None) -> list[int]:
+    """crc32 of each BLOCK of `path` (or of the pieces numbered in `wanted`)."""
+    with path.open("rb") as f:
+        if wanted is None:
+            return [zlib.crc32(piece) for piece in iter(lambda: f.read(BLOCK), b"")]
+        found = []
+        for index in wanted:
+            f.seek(index * BLOCK)
+            found.append(zlib.crc32(f.read(BLOCK)))
+        return found
+
+
+def checksums(folder: Path) -> dict:
+    """Size and piecewise crc32 of every file under `folder`, written beside the prepared data."""
+    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": _blocks(p)}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != META_FILE}
+
+
+def damage(folder: Path) -> str | None:
+    """None where nothing is prepared in `folder`, "" where it is whole, else what is wrong with
+    it: a missing or resized file, a piece whose checksum changed (every piece of a file of up to
+    CHECKED_BLOCKS, else that many spread over it, the first and last among them)."""
+    if not folder.is_dir():
+        return None
+    try:
+        files = json.loads((folder / META_FILE).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{META_FILE} is unreadable ({type(err).__name__})"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["size"]:
+            return f"{name} has {path.stat().st_size} bytes, {expected['size']} were written"
+        count = len(expected["crc32"])
+        wanted = range(count) if count <= CHECKED_BLOCKS else sorted(
+            {round(i * (count - 1) / (CHECKED_BLOCKS - 1)) for i in range(CHECKED_BLOCKS)})
+        if _blocks(path, wanted) != [expected["crc32"][i] for i in wanted]:
+            return f"{name} does not hold what was written (checksum)"
+    return ""
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -45,7 +111,6 @@ def cache_folder(cfg: TrainConfig, source, tokenizer) -> Path:
                       cfg.task, cfg.packing])
     name = Path(source.name).name
     return Path(cfg.data_cache_dir) / f"{cfg.task}-{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-
 
 
 class PreparationLock:

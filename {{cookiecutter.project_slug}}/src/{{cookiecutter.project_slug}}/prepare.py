@@ -3,6 +3,7 @@ into data_cache_dir (data_cache.py), where every later run on the same data and 
 memory-mapped. docs/data.md tells the story.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,9 +17,9 @@ import pyarrow as pa
 from datasets import Dataset, DatasetDict, load_from_disk
 
 from .config import TrainConfig
-from .data_cache import HEARTBEAT_S, META_FILE, PreparationLock, cache_folder
+from .data_cache import HEARTBEAT_S, META_FILE, PreparationLock, cache_folder, checksums, content_fingerprint, damage
 from .errors import ConfigError
-from .sources import Source, check_source, find_source, quiet_datasets, read_raw, validate
+from .sources import Source, check_source, find_source, join, quiet_datasets, read_raw, validate
 
 
 def check_max_seq_len(cfg: TrainConfig, tokenizer) -> None:
@@ -80,8 +81,9 @@ def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> 
     work = folder.with_name(f".tmp-{folder.name}-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     try:
-        raw = read_raw(source, work / "raw")
-        num_labels = validate(raw, source, cfg.task)
+        parts = read_raw(source, work / "raw")
+        num_labels = validate(parts, source, cfg.task)
+        raw = join(parts)
         print(f"data: preparing {sum(map(len, raw.values())):,} examples of {source.name} in {folder} (once; "
               "other processes wait for it)", flush=True)
         data = tokenize(raw, tokenizer, cfg, work)
@@ -92,8 +94,9 @@ def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> 
             data.save_to_disk(str(work / "prepared"))
         meta = {"num_labels": num_labels, "examples": {split: len(ds) for split, ds in data.items()},
                 "packing": cfg.packing, "max_seq_len": cfg.max_seq_len, "source": source.name,
+                "data_fingerprint": content_fingerprint(data["train"]),
                 "prepared_by": {"host": socket.gethostname(), "pid": os.getpid(), "rank": os.environ.get("RANK", "0")},
-                "seconds": round(time.monotonic() - started, 3)}
+                "seconds": round(time.monotonic() - started, 3), "files": checksums(work / "prepared")}
         (work / "prepared" / META_FILE).write_text(json.dumps(meta, indent=2))
         try:
             (work / "prepared").rename(folder)
@@ -107,7 +110,8 @@ def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> 
 
 
 def prepared_folder(cfg: TrainConfig, source: Source, tokenizer) -> Path:
-    """The prepared data's folder: found (a warm start reads nothing else), or prepared here, or
+    """The prepared data's folder: found whole (a warm start reads nothing else, and checks the
+    folder's own checksums), or prepared here (again, with one line, where it is damaged), or
     prepared by the process that holds the lock while this one waits."""
     folder = cache_folder(cfg, source, tokenizer)
     try:
@@ -115,16 +119,31 @@ def prepared_folder(cfg: TrainConfig, source: Source, tokenizer) -> Path:
     except OSError as err:
         raise ConfigError(f"data_cache_dir {folder.parent} cannot be created ({err.strerror}); choose a folder "
                           "you can write to") from None
-    if (folder / META_FILE).is_file():
+    if damage(folder) == "":
         return folder
     check_source(source, cfg.task)
-    lock, waiting_since, said = PreparationLock(folder), time.time(), False
-    while not (folder / META_FILE).is_file():
+    lock, waiting_since, said, checked = PreparationLock(folder), time.time(), False, None
+
+    def whole() -> bool:  # checked once per written prepared.json, not at every look while waiting
+        nonlocal checked
+        with contextlib.suppress(OSError):
+            written = (folder / META_FILE).stat().st_mtime_ns
+            if checked != written:
+                checked = written if damage(folder) == "" else None
+            return checked == written
+        return False
+
+    while not whole():
         if lock.error.is_file() and lock.error.stat().st_mtime >= waiting_since - HEARTBEAT_S:
             raise ConfigError(lock.error.read_text())  # what the process that prepared it found
         if lock.acquire():
             try:
-                _prepare_into(folder, source, tokenizer, cfg)
+                problem = damage(folder)  # again, holding the lock: another process may have just prepared it
+                if problem:
+                    print(f"data: the prepared data in {folder} is damaged ({problem}); preparing it again", flush=True)
+                    shutil.rmtree(folder)
+                if problem != "":
+                    _prepare_into(folder, source, tokenizer, cfg)
             except ConfigError as err:
                 lock.release(error=str(err))
                 raise
@@ -145,6 +164,7 @@ class Prepared:
     data: DatasetDict  # memory-mapped from the prepared folder
     num_labels: int  # classification: classes; 0 for causal_lm
     folder: Path
+    fingerprint: str  # of the training examples' content (data_cache.content_fingerprint)
 
 
 def prepare(cfg: TrainConfig, tokenizer) -> Prepared:
@@ -155,4 +175,5 @@ def prepare(cfg: TrainConfig, tokenizer) -> Prepared:
     meta = json.loads((folder / META_FILE).read_text())
     with quiet_datasets():
         data = load_from_disk(str(folder))
-    return Prepared(DatasetDict(train=data["train"], validation=data["validation"]), meta["num_labels"], folder)
+    return Prepared(DatasetDict(train=data["train"], validation=data["validation"]), meta["num_labels"], folder,
+                    meta["data_fingerprint"])

@@ -7,6 +7,7 @@ import contextlib
 import csv
 import json
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ import datasets
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import transformers
-from datasets import DatasetDict, load_dataset, load_from_disk
+from datasets import DatasetDict, concatenate_datasets, load_dataset, load_from_disk
 
 from . import ASSETS
 from .config import TrainConfig
@@ -23,6 +24,9 @@ from .errors import ConfigError, first_line
 
 SPLITS = ("train", "validation")
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+# numbered shards of a split, read together in order: train.00.jsonl, train.01.jsonl, ... or the
+# hub's train-00000-of-00004.parquet, ...
+SHARD = re.compile(r"^(?P<split>[a-z]+)(?:\.(?P<n>\d+)|-(?P<i>\d+)-of-(?P<total>\d+))(?P<suffix>\.[a-z]+)$")
 
 
 def columns_of(task: str) -> tuple[str, ...]:
@@ -31,15 +35,50 @@ def columns_of(task: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Source:
-    """Where the raw data is: files of a folder (by split), a save_to_disk() folder, or a hub name."""
+    """Where the raw data is: files of a folder (each split's, in reading order), a save_to_disk()
+    folder, or a hub name."""
 
     name: str
-    files: dict[str, Path] | None = None
+    files: dict[str, list[Path]] | None = None
     saved: Path | None = None
 
     @property
     def builder(self) -> str:
-        return BUILDERS[next(iter(self.files.values())).suffix]
+        return BUILDERS[self.files["train"][0].suffix]
+
+
+def _shard_number(match: re.Match) -> int:
+    return int(match["n"] if match["n"] is not None else match["i"])
+
+
+def split_files(folder: Path, split: str) -> list[Path]:
+    """The files split `split` reads: `<split>.<ext>` alone, or numbered shards all together in
+    order (`<split>.00.jsonl`, `<split>.01.jsonl`, ... or `<split>-00000-of-00004.parquet`, ...,
+    numbered without gaps). Any other file named like the split makes the folder ambiguous."""
+    named = (f"{split}.", f"{split}-")
+    found = sorted(p for p in folder.iterdir() if p.suffix in BUILDERS and p.name.startswith(named))
+    if [p.name for p in found] == [f"{split}{p.suffix}" for p in found[:1]]:
+        return found
+    shards = {p: SHARD.match(p.name) for p in found}
+    styles = {(m["n"] is None, m["total"], m["suffix"]) for m in shards.values() if m and m["split"] == split}
+    if found and len(styles) == 1 and all(m and m["split"] == split for m in shards.values()):
+        ordered = sorted(found, key=lambda p: _shard_number(shards[p]))
+        numbers = [_shard_number(shards[p]) for p in ordered]
+        total = shards[ordered[0]]["total"]
+        first = 0 if total is not None else numbers[0]
+        expected = list(range(first, int(total) if total is not None else first + len(numbers)))
+        if numbers == expected:
+            return ordered
+        twice = sorted({n for n in numbers if numbers.count(n) > 1})
+        missing = sorted(set(expected) - set(numbers))
+        why = f"shard {twice[0]} twice" if twice else f"shard {missing[0]} is missing"
+        raise ConfigError(f"dataset {folder} has the {split} shards {', '.join(p.name for p in ordered)}, not numbered "
+                          f"without gaps ({why}); add the missing shard, or renumber them")
+    if found:
+        raise ConfigError(f"dataset {folder} has {', '.join(p.name for p in found)} for split {split}: which to "
+                          f"read is not clear; keep one {split}.jsonl/.json/.csv/.parquet, or numbered shards of one "
+                          f"format ({split}.00.jsonl, {split}.01.jsonl, ...), and move the others away")
+    return []
 
 
 def find_source(cfg: TrainConfig) -> Source:
@@ -56,18 +95,18 @@ def find_source(cfg: TrainConfig) -> Source:
         return Source(cfg.dataset, saved=folder)
     files = {}
     for split in SPLITS:
-        matches = [p for p in sorted(folder.glob(f"{split}.*")) if p.suffix in BUILDERS]
-        if not matches:
+        files[split] = split_files(folder, split)
+        if not files[split]:
             if split == "train":
                 raise ConfigError(f"dataset folder {folder} has no train.jsonl/.json/.csv/.parquet file")
             raise ConfigError(f"dataset {folder} has no validation split (validation.jsonl/.json/.csv/.parquet)")
-        files[split] = matches[0]
-    if len({BUILDERS[p.suffix] for p in files.values()}) > 1:
-        raise ConfigError(f"dataset {folder}: {files['train'].name} and {files['validation'].name} must have "
+    if len({BUILDERS[p.suffix] for paths in files.values() for p in paths}) > 1:
+        raise ConfigError(f"dataset {folder}: {files['train'][0].name} and {files['validation'][0].name} must have "
                           "one format")
-    for split, path in files.items():
-        if path.stat().st_size == 0:
-            raise ConfigError(f"dataset file {path} is empty: split {split} needs examples")
+    for split, paths in files.items():
+        for path in paths:
+            if path.stat().st_size == 0:
+                raise ConfigError(f"dataset file {path} is empty: split {split} needs examples")
     return Source(cfg.dataset, files=files)
 
 
@@ -77,8 +116,9 @@ def check_source(source: Source, task: str) -> None:
     was checked whole when it was prepared."""
     if source.saved is not None:
         _check_saved_columns(source, task)
-    for split, path in (source.files or {}).items():
-        _check_first_record(path, split, task)
+    for split, paths in (source.files or {}).items():
+        for path in paths:
+            _check_first_record(path, split, task)
 
 
 def _check_first_record(path: Path, split: str, task: str) -> None:
@@ -162,15 +202,17 @@ def quiet_datasets() -> Iterator[None]:
         transformers.logging.set_verbosity(levels[1])
 
 
-def read_raw(source: Source, cache_dir: Path | None) -> DatasetDict:
-    """The train and validation splits as Arrow tables (written under `cache_dir`). A folder's
-    files are read one by one, so each has its own column types and its own error."""
+def read_raw(source: Source, cache_dir: Path | None) -> dict[str, list[tuple[str, object]]]:
+    """The train and validation splits as Arrow tables (written under `cache_dir`), each as its
+    parts: (where it was read, its rows). A folder's files are read one by one, so each has its own
+    column types and its own error; `join` makes one table of each split."""
     cache = cache_dir and str(cache_dir)
     with quiet_datasets():
         if source.saved is not None:
             raw = load_from_disk(str(source.saved))
         elif source.files is not None:
-            raw = {split: _read_file(path, source.builder, cache) for split, path in source.files.items()}
+            return {split: [(str(path), _read_file(path, source.builder, cache)) for path in paths]
+                    for split, paths in source.files.items()}
         else:
             try:
                 raw = load_dataset(source.name, cache_dir=cache)
@@ -178,7 +220,19 @@ def read_raw(source: Source, cache_dir: Path | None) -> DatasetDict:
                 raise ConfigError(f"cannot load dataset {source.name!r}: {first_line(err)}") from None
     if "validation" not in raw:
         raise ConfigError(f"dataset {source.name} has no validation split")
-    return DatasetDict(train=raw["train"], validation=raw["validation"])
+    return {split: [(f"{source.name} split {split}", raw[split])] for split in SPLITS}
+
+
+def join(parts: dict[str, list[tuple[str, object]]]) -> DatasetDict:
+    """One table per split, its parts (shards) in order."""
+    joined = {}
+    for split, pieces in parts.items():
+        try:
+            joined[split] = concatenate_datasets([rows for _, rows in pieces]) if len(pieces) > 1 else pieces[0][1]
+        except ValueError as err:
+            raise ConfigError(f"dataset {pieces[0][0]} and the other {split} shards do not have the same columns "
+                              f"and types ({first_line(err)}); give every shard the same columns") from None
+    return DatasetDict(train=joined["train"], validation=joined["validation"])
 
 
 def _read_file(path: Path, builder: str, cache_dir: str | None):
@@ -211,40 +265,46 @@ def _first(split, column: str, bad) -> tuple[int, object]:
     return -1, None
 
 
-def validate(raw: DatasetDict, source: Source, task: str) -> int:
-    """Every check that needs the whole data; returns the number of labels (classification) or 0."""
-    where = {split: str(source.files[split]) if source.files else f"{source.name} split {split}" for split in SPLITS}
+def _check_texts(data, where: str, split: str, task: str) -> None:
+    if len(data) == 0:
+        raise ConfigError(f"dataset {where} holds no examples: split {split} needs some")
+    for column in columns_of(task):
+        if column not in data.column_names:
+            raise ConfigError(f"dataset {where} lacks column {column} needed by task {task}")
+    if _value_type(data.features["text"]) not in ("string", "large_string"):
+        index, value = _first(data, "text", lambda v: not isinstance(v, str))
+        raise ConfigError(f"dataset {where} example {index + 1} has text {_describe(value)}: every text must be a "
+                          "string")
+    if data.data.column("text").null_count:
+        index = pc.index(pc.is_null(data.data.column("text")), True).as_py()
+        raise ConfigError(f"dataset {where} example {index + 1} has text null: every text must be a string")
+
+
+def _labels_of(data, where: str) -> set[int]:
+    column = data.data.column("label")
+    if not _value_type(data.features["label"]).startswith(("int", "uint")) or column.null_count:
+        index, value = _first(data, "label", lambda v: type(v) is not int)
+        raise ConfigError(f"dataset {where} example {index + 1} has label {_describe(value)}: labels must be whole "
+                          "numbers 0, 1, ... (one per class)")
+    low = pc.min(column).as_py()
+    if low < 0:
+        index = pc.index(column, low).as_py()
+        raise ConfigError(f"dataset {where} example {index + 1} has label {low}: labels must be 0, 1, ...")
+    return set(pc.unique(column).to_pylist())
+
+
+def validate(parts: dict[str, list[tuple[str, object]]], source: Source, task: str) -> int:
+    """Every check that needs the whole data, part by part (each file names itself); returns the
+    number of labels (classification) or 0."""
+    where = {split: pieces[0][0] if len(pieces) == 1 else f"{source.name} split {split} ({len(pieces)} shards)"
+             for split, pieces in parts.items()}
     for split in SPLITS:
-        data = raw[split]
-        if len(data) == 0:
-            raise ConfigError(f"dataset {where[split]} holds no examples: split {split} needs some")
-        for column in columns_of(task):
-            if column not in data.column_names:
-                raise ConfigError(f"dataset {where[split]} lacks column {column} needed by task {task}")
-        text = data.features["text"]
-        if _value_type(text) not in ("string", "large_string"):
-            index, value = _first(data, "text", lambda v: not isinstance(v, str))
-            raise ConfigError(f"dataset {where[split]} example {index + 1} has text {_describe(value)}: every "
-                              "text must be a string")
-        if data.data.column("text").null_count:
-            index = pc.index(pc.is_null(data.data.column("text")), True).as_py()
-            raise ConfigError(f"dataset {where[split]} example {index + 1} has text null: every text must be a string")
+        for part, data in parts[split]:
+            _check_texts(data, part, split, task)
     if task != "sequence_classification":
         return 0
-    labels = {}
-    for split in SPLITS:
-        data, feature = raw[split], raw[split].features["label"]
-        column = data.data.column("label")
-        integer = _value_type(feature).startswith(("int", "uint"))
-        if not integer or column.null_count:
-            index, value = _first(data, "label", lambda v: type(v) is not int)
-            raise ConfigError(f"dataset {where[split]} example {index + 1} has label {_describe(value)}: labels "
-                              "must be whole numbers 0, 1, ... (one per class)")
-        low = pc.min(column).as_py()
-        if low < 0:
-            index = pc.index(column, low).as_py()
-            raise ConfigError(f"dataset {where[split]} example {index + 1} has label {low}: labels must be 0, 1, ...")
-        labels[split] = set(pc.unique(column).to_pylist())
+    labels = {split: set().union(*(_labels_of(data, part) for part, data in parts[split]))
+              for split in SPLITS}
     classes = max(labels["train"]) + 1
     if classes < 2:
         raise ConfigError(f"dataset {where['train']}: every training label is 0, one class; classification needs "
@@ -255,9 +315,10 @@ def validate(raw: DatasetDict, source: Source, task: str) -> int:
         raise ConfigError(f"dataset {where['train']}: training labels must be 0..{classes - 1} with every class "
                           f"present, but {len(missing)} of them have no example ({shown}); number the classes "
                           "0..K-1")
-    unknown = sorted(labels["validation"] - labels["train"])
-    if unknown:
-        index = pc.index(raw["validation"].data.column("label"), unknown[0]).as_py()
-        raise ConfigError(f"dataset {where['validation']} example {index + 1} has label {unknown[0]}, which no "
-                          f"training example has (training labels are 0..{classes - 1})")
+    for part, data in parts["validation"]:
+        unknown = sorted(set(pc.unique(data.data.column("label")).to_pylist()) - labels["train"])
+        if unknown:
+            index = pc.index(data.data.column("label"), unknown[0]).as_py()
+            raise ConfigError(f"dataset {part} example {index + 1} has label {unknown[0]}, "
+                              f"which no training example has (training labels are 0..{classes - 1})")
     return classes

@@ -13,6 +13,7 @@ import transformers
 
 from .batch import BatchPlan, parse_schedule, plan_batches
 from .checkpoint import (
+    check_same_data,
     check_same_entry,
     check_same_training,
     final_dir,
@@ -29,6 +30,7 @@ from .launch import Launch, check_back_end, check_launcher_env, deepspeed_config
 from .memory import auto_micro_batch_size, check_auto_micro_batch
 from .model import load_tokenizer, model_config
 from .optim import total_steps
+from .output_lock import OutputLock
 from .prepare import prepare
 from .speed import peak_flops, set_tf32
 from .windows import WindowSampler
@@ -52,6 +54,7 @@ class Run:
     model_config: object
     data: object  # DatasetDict: train and validation, memory-mapped
     data_folder: Path
+    data_fingerprint: str  # of the training examples' content: a resume needs the same
     deepspeed: dict | None  # the DeepSpeed config, its "auto" keys filled
     peak_flops: float  # the device's peak FLOP/s; 0 where unknown (no mfu)
     adaptive: bool  # micro_batch_size auto also at run time (windows.MicroBatchRetry)
@@ -74,7 +77,8 @@ class Run:
         it before it continues."""
         return {"step": step, "world_size": self.env.world_size, "entry": self.launch.entry,
                 "backend": self.launch.backend, "total_steps": self.total_steps,
-                "num_train_examples": len(self.data["train"]), "micro_batch_size": micro_batch_size,
+                "num_train_examples": len(self.data["train"]), "data_fingerprint": self.data_fingerprint,
+                "micro_batch_size": micro_batch_size,
                 "auto_micro_batch_ceiling": ceiling, "grad_noise": noise,
                 "config": self.cfg.to_dict(), "versions": library_versions()}
 
@@ -125,22 +129,33 @@ def check_batch_fits_data(cfg: TrainConfig, schedule: tuple, examples: int) -> N
 
 def start(cfg: TrainConfig, entry: str) -> Run:
     """Every up-front check, then the run's facts. With --micro_batch_size auto the ranks meet once,
-    to agree on the micro batch; every check after that fails the same way on every rank."""
+    to agree on the micro batch; every check after that fails the same way on every rank. A finished
+    run is compared (its data too) and answered without the lock: it changes no file; any other job
+    holds output_dir's lock from here to its end."""
     env = dist_env()
     quiet_libraries(env)
     launch = launch_of(cfg, entry)
     schedule = parse_schedule(cfg.global_batch_size_schedule, cfg.global_batch_size)
     check_back_end(cfg, env, launch, schedule)
     resume = resume_point(cfg)
-    state = None
+    state, finished, lock = None, resume == final_dir(cfg.output_dir), OutputLock(cfg.output_dir)
     if resume is not None:
-        finished = resume == final_dir(cfg.output_dir)
         state = read_state(resume) if finished else verify_checkpoint(resume)
         check_same_training(state, cfg, resume)
-        if finished:
-            raise RunFinished(f"already done at step {state['step']}: {resume} (nothing changed)")
-        check_same_entry(state, entry, launch.backend, resume)
-    make_output_dir(cfg.output_dir)
+        if not finished:
+            check_same_entry(state, entry, launch.backend, resume)
+    if not finished:
+        make_output_dir(cfg.output_dir)
+        lock.take(env)
+    try:
+        return _start(cfg, entry, env, launch, schedule, resume, state, finished)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _start(cfg: TrainConfig, entry: str, env: DistEnv, launch: Launch, schedule: tuple, resume: Path | None,
+           state: dict | None, finished: bool) -> Run:
     auto, ceiling = cfg.micro_batch_size == "auto", 0
     if auto:
         check_auto_micro_batch(cfg, env)
@@ -152,11 +167,9 @@ def start(cfg: TrainConfig, entry: str) -> Run:
     data = prepared.data
     check_batch_fits_data(cfg, schedule, len(data["train"]))
     if state is not None:
-        before = state.get("num_train_examples", len(data["train"]))
-        if before != len(data["train"]):
-            raise ConfigError(f"{resume} was trained on {before} training examples, dataset {cfg.dataset} now "
-                              f"has {len(data['train'])}; a run continues only on the same data, or start a "
-                              "new run in another --output_dir")
+        check_same_data(state, cfg, prepared.fingerprint, len(data["train"]), resume)
+        if finished:
+            raise RunFinished(f"already done at step {state['step']}: {resume} (nothing changed)")
         note_versions(state, resume)
     if auto:  # the one search needs the process group: every rank must agree on the result
         init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s)
@@ -167,7 +180,7 @@ def start(cfg: TrainConfig, entry: str) -> Run:
     ds_config = deepspeed_config(cfg, plan, launch.deepspeed_path) if launch.on_accelerate else None
     set_tf32(cfg, env.device)
     run = Run(cfg, env, launch, plan, resume, int(state["step"]) if state else 0, 0, tokenizer, config, data,
-              prepared.folder, ds_config, peak_flops(cfg, env.device),
+              prepared.folder, prepared.fingerprint, ds_config, peak_flops(cfg, env.device),
               adaptive=auto and entry != "trainer" and launch.backend == "ddp" and not launch.fsdp,
               ceiling=ceiling, noise_state=tuple((state or {}).get("grad_noise", ())), preemption=PreemptionSignal())
     return replace(run, total_steps=total_steps(cfg, run.sampler()))

@@ -1,0 +1,142 @@
+"""One job per run folder: `output_dir/.lock` names the job that writes there (host, pid, job
+identity, start time, heartbeat). A second job is refused with one line naming the holder; the
+same job restarted (a SLURM requeue, a torchrun restart) takes over at once, and so does any job
+once the holder is gone (same host: its pid; another host: a heartbeat older than a minute).
+"""
+
+import atexit
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+from .distributed import DistEnv, print0
+from .errors import ConfigError
+
+LOCK_FILE = ".lock"
+HEARTBEAT_S, STALE_S = 15.0, 60.0
+
+
+def job_identity() -> str:
+    """What stays the same when this job restarts and differs between two jobs: the SLURM job and
+    step, torchrun's run id, or (a torchrun without one) its rendezvous address; "" for a process
+    started alone, which only its host and pid name."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm job {os.environ['SLURM_JOB_ID']} step {os.environ.get('SLURM_STEP_ID', 'batch')}"
+    if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
+        return f"torchrun run {os.environ['TORCHELASTIC_RUN_ID']}"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"torchrun at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    return ""
+
+
+def _started(pid: int) -> str:
+    """When process `pid` of this host started (clock ticks since boot), "" where unknown: a pid
+    reused by a later process then does not pass for the holder."""
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+    return ""
+
+
+def _alive(holder: dict) -> bool:
+    """Whether the holder of a lock still runs: on this host, by its pid; elsewhere, by its heartbeat."""
+    if holder.get("host") == socket.gethostname():
+        try:
+            os.kill(int(holder["pid"]), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not holder.get("started") or _started(int(holder["pid"])) in ("", holder["started"])
+    return time.time() - float(holder.get("heartbeat", 0)) <= STALE_S
+
+
+def describe(holder: dict) -> str:
+    since = datetime.fromtimestamp(float(holder.get("since", 0))).strftime("%Y-%m-%d %H:%M:%S")
+    job = f", {holder['job']}" if holder.get("job") else ""
+    beat = max(0, round(time.time() - float(holder.get("heartbeat", 0))))
+    return f"host {holder.get('host')}, pid {holder.get('pid')}{job}, since {since} (heartbeat {beat} s ago)"
+
+
+class OutputLock:
+    """The lock of one run folder, held by this job's rank 0 (every rank checks it first)."""
+
+    def __init__(self, output_dir: str):
+        self.path = Path(output_dir) / LOCK_FILE
+        self.mine = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_identity(), "since": time.time(),
+                     "started": _started(os.getpid())}
+        self.held, self.stop, self.writing = False, threading.Event(), threading.Lock()
+
+    def holder(self) -> dict | None:
+        """Who holds the folder now; None where nobody does (or the lock file is unreadable)."""
+        with contextlib.suppress(OSError, ValueError):
+            holder = json.loads(self.path.read_text())
+            return holder if isinstance(holder, dict) else None
+        return None
+
+    def check(self) -> dict | None:
+        """An up-front check: ConfigError where another job that still runs holds the folder; else
+        the other job, gone, whose lock this one takes over (None: free, or held by this very job
+        before a restart)."""
+        return self._judge(self.holder())
+
+    def _judge(self, holder: dict | None) -> dict | None:
+        ours = (holder or {}).get("host") == self.mine["host"] and (holder or {}).get("pid") == self.mine["pid"]
+        if holder is None or ours or self.mine["job"] and holder.get("job") == self.mine["job"]:
+            return None
+        if _alive(holder):
+            raise ConfigError(f"output_dir {self.path.parent} is in use by another job ({describe(holder)}); wait "
+                              "for it to end, or choose another --output_dir")
+        return holder
+
+    def take(self, env: DistEnv) -> None:
+        """Every rank checks; rank 0 then writes the lock and keeps its heartbeat until the process
+        ends (or `release`), with one line where it takes over from a job that is gone."""
+        holder = self.holder()
+        gone = self._judge(holder)
+        if not env.is_main_process:
+            return
+        try:
+            self._write(exclusive=holder is None)
+        except FileExistsError:  # another job wrote its lock since the check: it holds the folder now
+            gone = self.check()
+            self._write()
+        if gone is not None:
+            print0(f"note: output_dir {self.path.parent} was held by a job that is gone ({describe(gone)}); "
+                   "taking it over")
+        self.held = True
+        threading.Thread(target=self._beat, daemon=True).start()
+        atexit.register(self.release)
+
+    def _write(self, exclusive: bool = False) -> None:
+        """The lock file written whole; `exclusive`: only where there is none (FileExistsError)."""
+        tmp = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}")
+        tmp.write_text(json.dumps({**self.mine, "heartbeat": time.time()}))
+        try:
+            if exclusive:
+                os.link(tmp, self.path)
+            else:
+                os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _beat(self) -> None:
+        while not self.stop.wait(HEARTBEAT_S):
+            with self.writing, contextlib.suppress(OSError):
+                if not self.stop.is_set():
+                    self._write()
+
+    def release(self) -> None:
+        """Remove the lock, if this process still holds it."""
+        if not self.held:
+            return
+        self.held = False
+        with self.writing:
+            self.stop.set()
+            holder = self.holder()
+            if holder and holder.get("pid") == self.mine["pid"] and holder.get("host") == self.mine["host"]:
+                self.path.unlink(missing_ok=True)
