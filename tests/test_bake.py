@@ -35,7 +35,7 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
         *(f"{pkg}/assets/data/{t}/{s}.jsonl" for t in TASKS for s in ("train", "validation")),
         f"{pkg}/assets/tokenizer/tokenizer.json", f"{pkg}/assets/tokenizer/tokenizer_config.json",
         *(f"tests/{m}.py" for m in ("conftest", "oom_injection", "test_batch", "test_cli", "test_config",
-                                    "test_continue", "test_data",
+                                    "test_continue", "test_data", "test_output_lock", "fork_launcher",
                                     "test_faults", "test_inputs", "test_levers", "test_parity", "test_resume",
                                     "test_scripts", "test_speed", "test_wandb")),
         "tests/test_benchmarks.py", "docs/loss_curves.png", "docs/noise_scale.png",
@@ -113,9 +113,10 @@ def run_generated_suite(project: Path, *pytest_args: str) -> subprocess.Complete
 # and 2x4 cells (2x4 holds both data parallelism and accumulation; 1x4 and 2x1 are the default
 # bake's), less what does not depend on the task: two torchrun agents, sync counts, the lr of
 # every cell, and the packed cells (causal_lm's).
-TASK_SUITES = {"causal_lm": ["-m", "slow"],
-               "sequence_classification": ["tests/test_parity.py", "-k", "not two_torchrun_agents and not ddp_syncs "
-                                           "and not learning_rate and not packed and not 1x4 and not 2x1"]}
+# Both in 2 pytest-xdist workers, as the project's Makefile runs its tests.
+TASK_SUITES = {"causal_lm": ["-n", "2", "--dist", "loadfile", "-m", "slow"],
+               "sequence_classification": ["-n", "2", "tests/test_parity.py", "-k", "not two_torchrun_agents and not "
+                                           "ddp_syncs and not learning_rate and not packed and not 1x4 and not 2x1"]}
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Shared test helpers: run an entry point for real (1 process, or torchrun on CPU with gloo)
-and cache the runs, so tests that need the same run share it.
+and cache the runs, so tests that need the same run share it (also across pytest-xdist workers;
+the cached runs fork from a process that has the entry point imported: fork_launcher.py).
 
 Everything stays on loopback (127.0.0.1, GLOO_SOCKET_IFNAME=lo), offline (HF_HUB_OFFLINE=1,
 WANDB_MODE=offline in a temporary WANDB_DIR), and every launch has a timeout.
@@ -10,6 +11,7 @@ runs every launch in bf16 and widens the tolerances to `TOLERANCES["bf16"]`.
 """
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -26,6 +28,8 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+
+from fork_launcher import ForkLauncher
 
 ROOT = Path(__file__).resolve().parents[1]
 SLUG = "{{ cookiecutter.project_slug }}"
@@ -84,6 +88,17 @@ MEASURED: list[str] = []
 def report(line: str) -> None:
     """Keep a measured number for the "measured" section printed at the end of the session."""
     MEASURED.append(line)
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist, each worker's measured lines go to the controller, which prints them."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["measured"] = MEASURED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    MEASURED.extend(getattr(node, "workeroutput", {}).get("measured", []))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -195,27 +210,68 @@ def run_entry(entry: str, nproc: int, output_dir: Path, env: dict, flags: dict |
     return Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
 
 
+# Fork servers (fork_launcher.py) by entry point and environment, the most recently used last;
+# each holds an entry point's imports (about half a GB), so a few are kept.
+LAUNCHERS: dict[tuple, ForkLauncher] = {}
+KEPT_LAUNCHERS = 4
+
+
+def forked_run(entry: str, nproc: int, args: list[str], env: dict, logs: Path) -> subprocess.CompletedProcess:
+    """The entry point with `args` on `nproc` processes, as `python -m` or torchrun would start it,
+    forked from a process that imported it in `env` (fork_launcher.py); its output also in
+    `logs`.stdout and .stderr. Under torchrun where there are GPUs (a process that may have touched
+    CUDA must not fork) and for torch.compile (its compile workers hang in a forked process). For
+    runs that should succeed: the exit code and report of a failed worker are torchrun's own."""
+    if GPUS or "--compile" in args and args[args.index("--compile") + 1] == "true":
+        return subprocess.run(launch_cmd(entry, nproc) + args, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=LAUNCH_TIMEOUT_S)
+    module = f"{SLUG}.train_{entry}"
+    key = (module, tuple(sorted(env.items())))
+    LAUNCHERS[key] = LAUNCHERS.pop(key, None) or ForkLauncher([module], env, ROOT)
+    while len(LAUNCHERS) > KEPT_LAUNCHERS:
+        LAUNCHERS.pop(next(iter(LAUNCHERS))).close()
+    return LAUNCHERS[key].run(module, args, nproc, {**env, "MASTER_PORT": str(free_port())}, logs, LAUNCH_TIMEOUT_S)
+
+
 class RunCache:
-    """Runs keyed by (entry, processes, flags); each is launched once per test session."""
+    """Runs keyed by (entry, processes, flags); each is launched once per test session, also when
+    pytest-xdist's workers share the session: the first worker to need a run launches it under a
+    file lock in their common folder, the others then read its folder and output."""
 
     def __init__(self, root: Path):
         self.root = root
         self.env = offline_env(root)
-        self.runs: dict[tuple, Run] = {}
+
+    def run(self, entry: str, nproc: int, out: Path, flags: dict) -> Run:
+        """A run into `out` in this cache's environment, not cached (forked_run)."""
+        proc = forked_run(entry, nproc, flag_args(flags) + ["--output_dir", str(out)], self.env, out)
+        return Run(proc.returncode, proc.stdout, proc.stderr, out)
 
     def __call__(self, entry: str, nproc: int, **flags) -> Run:
         key = (entry, nproc, tuple(sorted((k, str(v)) for k, v in flags.items())))
-        if key not in self.runs:
-            out = self.root / f"run{len(self.runs)}"
-            run = run_entry(entry, nproc, out, self.env, flags)
-            assert run.returncode == 0, f"{key} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-            self.runs[key] = run
-        return self.runs[key]
+        name = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        out, output = self.root / f"run_{name}", self.root / f"run_{name}.json"
+        with (self.root / f"run_{name}.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not output.is_file():
+                run = self.run(entry, nproc, out, flags)
+                assert run.returncode == 0, f"{key} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+                output.write_text(json.dumps({"stdout": run.stdout, "stderr": run.stderr}))
+        logged = json.loads(output.read_text())
+        return Run(0, logged["stdout"], logged["stderr"], out)
+
+
+def shared_folder(tmp_path_factory, name: str) -> Path:
+    """A folder of the test session, the same for every pytest-xdist worker."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> RunCache:
-    return RunCache(tmp_path_factory.mktemp("runs"))
+    return RunCache(shared_folder(tmp_path_factory, "runs"))
 
 
 @pytest.fixture(scope="session")
@@ -223,11 +279,14 @@ def small_dataset(tmp_path_factory) -> Path:
     """The first 37 training and 9 validation examples of the task's data, so that windows of 16
     or 24 examples leave a short last window in every epoch, and 2 processes evaluate shards of 5
     and 4 examples (at micro batch 2 or 4, a different number of batches)."""
-    folder = tmp_path_factory.mktemp("small")
+    folder = shared_folder(tmp_path_factory, "small")
     source = ROOT / "src" / SLUG / "assets" / "data" / TASK
     for split, n in (("train", 37), ("validation", 9)):
-        rows = (source / f"{split}.jsonl").read_text().splitlines()[:n]
-        (folder / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
+        if not (folder / f"{split}.jsonl").is_file():  # written whole by the first worker to get here
+            rows = (source / f"{split}.jsonl").read_text().splitlines()[:n]
+            part = folder / f".{split}.{os.getpid()}"
+            part.write_text("\n".join(rows) + "\n")
+            os.replace(part, folder / f"{split}.jsonl")
     return folder
 
 

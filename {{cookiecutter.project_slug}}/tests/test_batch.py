@@ -152,11 +152,11 @@ def test_a_scheduled_run_trains_like_one_process_and_resumes_across_a_change(run
         report(f"schedule {entry} 2 processes x micro 2 vs 1 process x whole batch: max |param diff| {diff:.3g}")
         assert diff <= TOL.param
         assert all(r["grad_noise_scale"] > 0 for r in run.steps[2:])  # the estimate exists from step 2 or so
-    stopped = run_entry(LOOPS[0], 2, tmp_path / "resumed", runs.env,
-                        {"micro_batch_size": 2, **SCHEDULED, "save_steps": 1, "stop_after_steps": 3})
+    stopped = runs.run(LOOPS[0], 2, tmp_path / "resumed",
+                       {"micro_batch_size": 2, **SCHEDULED, "save_steps": 1, "stop_after_steps": 3})
     assert stopped.returncode == 0, stopped.stderr[-3000:]
-    resumed = run_entry(LOOPS[0], 2, tmp_path / "resumed", runs.env,
-                        {"micro_batch_size": 2, **SCHEDULED, "resume_from_checkpoint": "auto"})
+    resumed = runs.run(LOOPS[0], 2, tmp_path / "resumed",
+                       {"micro_batch_size": 2, **SCHEDULED, "resume_from_checkpoint": "auto"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     straight = runs(LOOPS[0], 2, micro_batch_size=2, **SCHEDULED)
     assert_same_training(resumed, straight)

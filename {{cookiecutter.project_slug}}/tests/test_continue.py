@@ -13,7 +13,7 @@ import torch
 from {{ cookiecutter.project_slug }}.checkpoint import MUST_MATCH, check_same_data, check_same_training, verify_checkpoint
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 
-from conftest import ACCUM, ENTRIES, ROOT, SLUG, TASK, Run, flag_args, launch_cmd, one_error_line, run_entry, snapshot
+from conftest import ACCUM, ENTRIES, ROOT, SLUG, TASK, Run, flag_args, forked_run, one_error_line, run_entry, snapshot
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 # One process, 2 checkpoints: a run stopped after step 4 of 6 (checkpoints at steps 2 and 4).
@@ -22,9 +22,8 @@ STOPPED = {"micro_batch_size": 4, "global_batch_size": 16, "max_steps": 6, "save
 
 
 def launch(entry: str, out, env, *flags: str) -> subprocess.CompletedProcess:
-    """One process with the suite's FAST flags, then `flags`."""
-    cmd = launch_cmd(entry, 1) + flag_args() + [*flags, "--output_dir", str(out)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    """One process with the suite's FAST flags, then `flags` (its output also beside `out`)."""
+    return forked_run(entry, 1, flag_args() + [*flags, "--output_dir", str(out)], env, out)
 
 
 def flags_of(values: dict) -> list[str]:

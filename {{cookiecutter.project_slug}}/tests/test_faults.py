@@ -114,7 +114,7 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(runs, ent
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]  # partial writes removed
     if entry != ENTRIES[0]:
         return  # the resume from step_2 is the same for every entry point (test_resume.py shows each)
-    resumed = run_entry(entry, 2, out, runs.env, {**flags, "resume_from_checkpoint": "auto"})
+    resumed = runs.run(entry, 2, out, {**flags, "resume_from_checkpoint": "auto"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming after step 2" in resumed.stdout
     assert_same_training(resumed, runs(entry, 2, **ACCUM))

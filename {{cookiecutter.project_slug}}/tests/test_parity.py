@@ -23,6 +23,7 @@ from conftest import (
     DATA_CACHE,
     ENTRIES,
     GLOBAL_BATCH,
+    GPUS,
     LAUNCH_TIMEOUT_S,
     MATRIX,
     MIXED_PRECISION,
@@ -38,6 +39,7 @@ from conftest import (
     max_abs_diff,
     max_loss_diff,
     report,
+    run_entry,
     short_windows,
 )
 
@@ -73,6 +75,7 @@ def test_cell_matches_single_process_reference(runs, entry, shape, packed):
     run, reference = cell(runs, entry, *shape, **flags), cell(runs, entry, 1, 1, **flags)
     shapes = [(r["world_size"], r["grad_accum_steps"], r["micro_steps"]) for r in run.steps]
     assert shapes == [(nproc, accum, accum)] * 8
+    assert "broadcast_buffers" not in run.stderr  # torch 2.13's deprecation of DDP's old argument
     assert [r["tokens"] for r in run.steps] == [r["tokens"] for r in reference.steps]
     if packed:  # no padding: every block of 48 tokens has 47 targets
         assert [r["tokens"] for r in run.steps] == [GLOBAL_BATCH * 47] * 8
@@ -141,6 +144,20 @@ def test_two_torchrun_agents_train_like_one_node(runs, entry, tmp_path):
            f"max |loss diff| {max_loss_diff(two_nodes, one_node):.3g}")
     assert max_loss_diff(two_nodes, one_node) <= TOL.loss
     assert diff <= TOL.param
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GPUS > 0, reason="with GPUs the cached runs start under torchrun")
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_forked_cell_is_the_cell_torchrun_starts(runs, entry, tmp_path):
+    """The cached runs fork from a process that has the entry point imported (fork_launcher.py):
+    the same cell under torchrun logs the same steps and ends with the same parameters, bitwise."""
+    forked = cell(runs, entry, 2, 4)
+    started = run_entry(entry, 2, tmp_path / "torchrun", runs.env, {"micro_batch_size": 2, **MATRIX})
+    assert started.returncode == 0, started.stderr[-3000:]
+    timeless = [{k: v for k, v in r.items() if k != "elapsed_s"} for r in started.records]
+    assert [{k: v for k, v in r.items() if k != "elapsed_s"} for r in forked.records] == timeless
+    assert max_abs_diff(forked.params(), started.params()) == 0.0
 
 
 def ddp_bucket_counts(bucket_cap_mb: float, env: dict) -> tuple[int, int]:

@@ -48,7 +48,7 @@ pytestmark = pytest.mark.slow  # the fast tier (`make test`) leaves this module 
 def test_stop_and_resume_is_exact(runs, entry, tmp_path):
     straight = runs(entry, 2, **ACCUM)
     out = tmp_path / "resumed"
-    first = run_entry(entry, 2, out, runs.env, {**ACCUM, "stop_after_steps": 4})
+    first = runs.run(entry, 2, out, {**ACCUM, "stop_after_steps": 4})
     assert first.returncode == 0, first.stderr[-3000:]
     assert json.loads((out / "checkpoints" / "step_4" / "state.json").read_text())["step"] == 4
     assert not (out / "final_model").exists()
@@ -61,7 +61,7 @@ def test_stop_and_resume_is_exact(runs, entry, tmp_path):
         worker_error_lines(again.stderr, f"error: output_dir {out} already holds checkpoints (step_4); pass "
                                          "--resume_from_checkpoint auto to continue")
 
-    second = run_entry(entry, 2, out, runs.env, {**ACCUM, "resume_from_checkpoint": "auto"})
+    second = runs.run(entry, 2, out, {**ACCUM, "resume_from_checkpoint": "auto"})
     assert second.returncode == 0, second.stderr[-3000:]
     assert [r["step"] for r in second.steps] == list(range(1, 9))
     assert [e["step"] for e in second.evals] == [8]
@@ -69,7 +69,7 @@ def test_stop_and_resume_is_exact(runs, entry, tmp_path):
 
     # The same checkpoint continued on 1 process: accumulation re-derived (8 instead of 4), the
     # global batch and its examples the same, only the order of the sums differs.
-    single = run_entry(entry, 1, tmp_path / "on_one_process", runs.env, {**ACCUM, "resume_from_checkpoint": "auto"})
+    single = runs.run(entry, 1, tmp_path / "on_one_process", {**ACCUM, "resume_from_checkpoint": "auto"})
     assert single.returncode == 0, single.stderr[-3000:]
     assert [(r["world_size"], r["grad_accum_steps"]) for r in single.steps] == [(2, 4)] * 4 + [(1, 8)] * 4
     assert [r["tokens"] for r in single.steps] == [r["tokens"] for r in straight.steps]
@@ -87,9 +87,9 @@ def test_resume_in_the_middle_of_a_packed_epoch_is_exact(runs, tmp_path):
     flags = {**ACCUM, "task": "causal_lm", "packing": "true"}
     straight = runs(entry, 2, **flags)
     out = tmp_path / "resumed"
-    first = run_entry(entry, 2, out, runs.env, {**flags, "stop_after_steps": 4})
+    first = runs.run(entry, 2, out, {**flags, "stop_after_steps": 4})
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run_entry(entry, 2, out, runs.env, {**flags, "resume_from_checkpoint": "auto"})
+    second = runs.run(entry, 2, out, {**flags, "resume_from_checkpoint": "auto"})
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming after step 4" in second.stdout and "training blocks of 48 tokens" in second.stdout
     assert_same_training(second, straight)
@@ -102,10 +102,10 @@ def test_resume_into_a_new_epoch_is_exact(runs, entry, small_dataset, tmp_path):
     flags = {"micro_batch_size": 2, **short_windows(small_dataset)}
     straight = runs(entry, 2, **flags)
     out = tmp_path / "resumed"
-    first = run_entry(entry, 2, out, runs.env, {**flags, "stop_after_steps": 3})
+    first = runs.run(entry, 2, out, {**flags, "stop_after_steps": 3})
     assert first.returncode == 0, first.stderr[-3000:]
     assert [e["step"] for e in first.evals] == [3]
-    second = run_entry(entry, 2, out, runs.env, {**flags, "resume_from_checkpoint": "auto"})
+    second = runs.run(entry, 2, out, {**flags, "resume_from_checkpoint": "auto"})
     assert second.returncode == 0, second.stderr[-3000:]
     assert [r["step"] for r in second.steps] == list(range(1, 7))
     assert second.evals == straight.evals  # one per epoch, at steps 3 and 6, the same values
@@ -183,7 +183,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(runs, entry, tm
     written = [p for p in (out / "checkpoints").iterdir() if p.name not in ("step_4",)]
     assert written and not any((p / "state.json").exists() for p in written)  # the half-done step 8
 
-    resumed = run_entry(entry, 2, out, runs.env, {**flags, "resume_from_checkpoint": "auto"})
+    resumed = runs.run(entry, 2, out, {**flags, "resume_from_checkpoint": "auto"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming after step 4" in resumed.stdout
     assert_same_training(resumed, runs(entry, 2, **ACCUM))

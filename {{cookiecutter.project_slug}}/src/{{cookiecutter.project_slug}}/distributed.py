@@ -6,10 +6,12 @@ are up-front checks (errors.ConfigError).
 """
 
 import gc
+import inspect
 import os
 import signal
 import socket
 import sys
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -19,6 +21,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from .errors import ConfigError, JobFailed, first_line
+
+# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (False: no broadcast in every
+# forward; the buffers, constants here, are still synced once at the start). wrap_ddp passes the
+# new name where torch has it; Accelerate and the Trainer pass only the old one, same effect, so
+# its deprecation warning (twice per process and run) is left out.
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                  else {"broadcast_buffers": False})
+warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
 
 
 @dataclass(frozen=True)
@@ -202,11 +212,11 @@ def print0(text: str) -> None:
 
 
 def wrap_ddp(model: torch.nn.Module, env: DistEnv, bucket_cap_mb: float) -> DDP:
-    """`model` in DistributedDataParallel as every DDP run here has it. broadcast_buffers=False:
-    DDP would otherwise broadcast the model's buffers (the rotary embedding's constant inv_freq)
-    in every forward, a collective per micro-step."""
+    """`model` in DistributedDataParallel as every DDP run here has it. No buffer sync in each
+    forward: DDP would otherwise broadcast the model's buffers (the rotary embedding's constant
+    inv_freq) in every forward, a collective per micro-step."""
     return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-               bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False)
+               bucket_cap_mb=bucket_cap_mb, **NO_BUFFER_SYNC)
 
 
 def sync_counter_for(model) -> "GradSyncCounter | None":
