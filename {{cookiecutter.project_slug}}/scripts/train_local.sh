@@ -11,6 +11,8 @@ source scripts/flags.sh
 
 ENTRY=${ENTRY:-{{ 'pytorch' if cookiecutter.entry_points == 'all' else cookiecutter.entry_points }}}
 PYTHON=${PYTHON:-python}
+whole_number NPROC_PER_NODE
+whole_number MASTER_PORT
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   NPROC_PER_NODE=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')
 fi

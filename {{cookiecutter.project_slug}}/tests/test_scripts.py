@@ -41,8 +41,17 @@ def test_dry_run_accepts_every_way_of_saying_yes(env, value):
     assert proc.returncode == 0 and proc.stdout.strip().endswith("--max_steps 3"), proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("script", ["scripts/train_local.sh", *(f"scripts/slurm/{p.name}" for p in
-                                    sorted((ROOT / "scripts" / "slurm").glob("*.sbatch")))])
+LAUNCH_SCRIPTS = ["scripts/train_local.sh", *(f"scripts/slurm/{p.name}" for p in
+                                               sorted((ROOT / "scripts" / "slurm").glob("*.sbatch")))]
+BAD_VARIABLES = [({"NPROC_PER_NODE": "0"}, "error: NPROC_PER_NODE=0 is not a whole number of at least 1"),
+                 ({"NPROC_PER_NODE": "abc"}, "error: NPROC_PER_NODE=abc is not a whole number of at least 1"),
+                 ({"MASTER_PORT": "29 500"}, "error: MASTER_PORT=29 500 is not a whole number of at least 1")]
+SBATCH_BAD_VARIABLES = [({"SLURM_NNODES": "abc"}, "error: SLURM_NNODES=abc is not a whole number of at least 1"),
+                        ({"CONFIG": "configs/trian.yaml"},
+                         "error: CONFIG=configs/trian.yaml names configs/trian.yaml, which is not a file")]
+
+
+@pytest.mark.parametrize("script", LAUNCH_SCRIPTS)
 def test_a_dry_run_value_that_is_neither_yes_nor_no_is_one_line(env, script):
     proc = subprocess.run(["bash", script, "--max_steps", "3"], cwd=ROOT, capture_output=True, text=True,
                           env={**env, "DRY_RUN": "maybe", "NPROC_PER_NODE": "2", "PYTHON": "python3",
@@ -50,6 +59,27 @@ def test_a_dry_run_value_that_is_neither_yes_nor_no_is_one_line(env, script):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == ["error: DRY_RUN=maybe is not yes or no; use 1, true or yes, or 0, "
                                                 "false or no"]
+
+
+@pytest.mark.parametrize("script,variables,expected", [
+    pytest.param(script, variables, expected, id=f"{Path(script).name}-{'-'.join(variables.values())}")
+    for script in LAUNCH_SCRIPTS
+    for variables, expected in BAD_VARIABLES + (SBATCH_BAD_VARIABLES if script.endswith(".sbatch") else [])])
+def test_a_bad_launch_variable_is_one_line_before_anything_starts(env, script, variables, expected):
+    proc = subprocess.run(["bash", script, "--max_steps", "3"], cwd=ROOT, capture_output=True, text=True,
+                          env={**env, "DRY_RUN": "1", "PYTHON": "python3", **variables}, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [expected], proc.stdout + proc.stderr
+
+
+def test_a_deepspeed_stage_without_its_files_is_one_line(env):
+    script = ROOT / "scripts" / "slurm" / "deepspeed.sbatch"
+    if not script.is_file():
+        pytest.skip("a project generated without DeepSpeed")
+    proc = subprocess.run(["bash", str(script)], cwd=ROOT, capture_output=True, text=True,
+                          env={**env, "DRY_RUN": "1", "ZERO_STAGE": "5"}, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == ["error: ZERO_STAGE=5 names configs/accelerate/deepspeed_zero5.yaml, "
+                                                "which is not a file"]
 
 
 def test_train_local_trains_with_two_cpu_processes(env, tmp_path):

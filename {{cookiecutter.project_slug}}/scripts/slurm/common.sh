@@ -18,6 +18,8 @@ source scripts/flags.sh
 
 # shellcheck disable=SC2034  # TRAIN_ARGS and the others are read by the sbatch script
 job_setup() {
+  local name
+  for name in SLURM_NNODES SLURM_GPUS_ON_NODE NPROC_PER_NODE MASTER_PORT; do whole_number "$name"; done
   JOB_ID=${SLURM_JOB_ID:-dry-run}
   if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
     mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
@@ -32,6 +34,7 @@ job_setup() {
   NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-$DEFAULT_GPUS_PER_NODE}}
   OUTPUT_DIR=${OUTPUT_DIR:-runs/$JOB_ID}
   CONFIG=${CONFIG:-configs/train.yaml}
+  names_a_file CONFIG "$CONFIG"
   TRAIN_ARGS=(--config "$CONFIG" --output_dir "$OUTPUT_DIR" --resume_from_checkpoint auto "$@")
   # the package runs from src/ without being installed
   export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
