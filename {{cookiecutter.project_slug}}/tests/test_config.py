@@ -81,13 +81,15 @@ def test_flags_override_the_file(tmp_path):
     ("max_grad_norm: .nan\n", "max_grad_norm must be a finite number, got nan"),
     ("task: yes\n", "key 'task' got the YAML boolean true; quote the value you mean"),
     ("seed: no\n", "key 'seed' got the YAML boolean false"),
+    ("report_to:\n", "key(s) report_to in {path} have no value (YAML null); give one, or leave the key out"),
+    ("seed: 3\nreport_to: null\nwandb_project: ~\n", "key(s) report_to, wandb_project in {path} have no value"),
 ])
 def test_bad_config_files(tmp_path, text, message):
     path = tmp_path / "c.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as err:
         load_config(["--config", str(path)])
-    assert message in str(err.value)
+    assert message.format(path=path) in str(err.value)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -96,6 +98,8 @@ def test_bad_config_files(tmp_path, text, message):
     (["--optimizer", "lion"], "invalid choice: 'lion'"),
     (["--warmup_steps", "-1"], "warmup_steps must be >= 0, got -1"),
     (["--config", "missing.yaml"], "config file missing.yaml not found"),
+    (["--config", str(ROOT / "configs")], f"config file {ROOT / 'configs'} is a folder; pass --config PATH to a YAML "
+                                          "file in it"),
     (["--weight_decay", "inf"], "weight_decay must be a finite number, got inf"),
     (["--learning_rate", "nan"], "learning_rate must be a finite number, got nan"),
     (["--learning-rat", "1"], "unknown flag(s) ['--learning-rat', '1']"),  # no abbreviations

@@ -70,6 +70,10 @@ BROKEN = [
      "dataset file {d}/train.json is not valid JSON at line 2, column"),
     ("two_formats", {"train.csv": "text,label\na,1\nb,0\n"}, "train.csv and validation.jsonl must have one format"),
     ("no_validation_file", {"validation.jsonl": None}, "has no validation split"),
+    ("latin1_text", {"train.jsonl": GOOD_TRAIN.encode() + b'{"text": "caf\xe9 au lait", "label": 1}\n'},
+     "dataset {d}/train.jsonl example 13 is not UTF-8 text (byte 0xe9 after b'caf'); save the file as UTF-8"),
+    ("latin1_csv", {"train.csv": b"text,label\na,1\ncaf\xe9,0\n", "validation.csv": "text,label\na,1\n"},
+     "dataset file {d}/train.csv line 3 is not UTF-8 text (byte 0xe9 after b'caf'); save the file as UTF-8"),
 ]
 
 
@@ -83,13 +87,25 @@ def test_broken_data_is_one_line_naming_the_place(tmp_path, case, files, expecte
             contents.pop(f"{split}.jsonl", None)
     for name, text in contents.items():
         if text is not None:
-            (folder / name).write_text(text)
-    cfg = load_config(["--config", CONFIG, "--task", "sequence_classification", "--dataset", str(folder),
-                       "--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path / "cache")])
+            (folder / name).write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ConfigError) as err:
-        prepare(cfg, load_tokenizer(cfg))
+        prepare_folder(folder, tmp_path)
     assert expected.format(d=folder) in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def prepare_folder(folder, tmp_path):
+    cfg = load_config(["--config", CONFIG, "--task", "sequence_classification", "--dataset", str(folder),
+                       "--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path / "cache")])
+    return prepare(cfg, load_tokenizer(cfg))
+
+
+def test_a_csv_saved_with_a_byte_order_mark_reads_its_columns(tmp_path):
+    """Spreadsheet programs start a UTF-8 CSV with a BOM: it is no part of the first column's name."""
+    for split, text in (("train", "text,label\nthe cat,0\nthe dog,1\n"), ("validation", "text,label\na cat,0\n")):
+        (tmp_path / f"{split}.csv").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    prepared = prepare_folder(tmp_path, tmp_path)
+    assert prepared.num_labels == 2 and len(prepared.data["train"]) == 2
 
 
 @pytest.mark.parametrize("flags,expected", [

@@ -245,12 +245,13 @@ def _field_value(key: str, value) -> str:
 
 
 def _as_flags(values: dict) -> list[str]:
-    return [arg for key, value in values.items() if value is not None
-            for arg in (f"--{key}", _field_value(key, value))]
+    return [arg for key, value in values.items() for arg in (f"--{key}", _field_value(key, value))]
 
 
 def _read_yaml(path: str) -> dict:
     config_file = Path(path)
+    if config_file.is_dir():
+        raise ConfigError(f"config file {path} is a folder; pass --config PATH to a YAML file in it")
     if not config_file.is_file():
         raise ConfigError(f"config file {path} not found; pass --config PATH to a YAML file")
     try:
@@ -269,6 +270,10 @@ def _read_yaml(path: str) -> dict:
         raise ConfigError(
             f"unknown key(s) {', '.join(unknown)} in {path}; known keys: {', '.join(sorted(_FIELDS))}"
         )
+    empty = sorted(str(key) for key, value in values.items() if value is None)
+    if empty:
+        raise ConfigError(f"key(s) {', '.join(empty)} in {path} have no value (YAML null); give one, or leave the "
+                          "key out for its default")
     return values
 
 

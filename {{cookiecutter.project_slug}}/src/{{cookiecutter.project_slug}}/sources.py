@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import transformers
@@ -129,7 +130,7 @@ def _check_first_record(path: Path, split: str, task: str) -> None:
         except Exception as err:  # pyarrow's errors for a damaged file are several
             raise ConfigError(f"dataset file {path} is not a readable parquet file: {err}") from None
     elif path.suffix == ".csv":
-        with path.open(newline="", errors="replace") as f:
+        with path.open(newline="", encoding="utf-8-sig", errors="replace") as f:  # a BOM is no part of a name
             names = next(csv.reader(f), [])
     else:
         with path.open(errors="replace") as f:
@@ -217,7 +218,8 @@ def read_raw(source: Source, cache_dir: Path | None) -> dict[str, list[tuple[str
             try:
                 raw = load_dataset(source.name, cache_dir=cache)
             except Exception as err:  # the hub's errors are many; the user needs the first line
-                raise ConfigError(f"cannot load dataset {source.name!r}: {first_line(err)}") from None
+                raise ConfigError(f"dataset {source.name} is no folder ({Path(source.name).absolute()} does not exist) "
+                                  f"and cannot be loaded from the Hub: {first_line(err)}") from None
     if "validation" not in raw:
         raise ConfigError(f"dataset {source.name} has no validation split")
     return {split: [(f"{source.name} split {split}", raw[split])] for split in SPLITS}
@@ -246,7 +248,20 @@ def _read_file(path: Path, builder: str, cache_dir: str | None):
         cause = err
         while cause.__cause__ or cause.__context__:
             cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, UnicodeDecodeError) or "Invalid UTF8" in str(cause):
+            _first_bad_utf8(path)
         raise ConfigError(f"dataset file {path} cannot be read: {first_line(cause)}") from None
+
+
+def _first_bad_utf8(path: Path) -> None:
+    """Raise for the first line of `path` that is not UTF-8 (the error path only)."""
+    raw = path.read_bytes()
+    try:
+        raw.decode()
+    except UnicodeDecodeError as bad:
+        near, line = raw[max(0, bad.start - 20):bad.start].rpartition(b"\n")[2], raw.count(b"\n", 0, bad.start) + 1
+        raise ConfigError(f"dataset file {path} line {line} is not UTF-8 text (byte "
+                          f"0x{raw[bad.start]:02x} after {near!r}); save the file as UTF-8") from None
 
 
 def _value_type(feature) -> str:
@@ -278,6 +293,28 @@ def _check_texts(data, where: str, split: str, task: str) -> None:
     if data.data.column("text").null_count:
         index = pc.index(pc.is_null(data.data.column("text")), True).as_py()
         raise ConfigError(f"dataset {where} example {index + 1} has text null: every text must be a string")
+    _check_utf8(data.data.column("text"), where)
+
+
+def _check_utf8(column, where: str) -> None:
+    """Texts are UTF-8 (a reader may pass other bytes through, for the tokenizer to fail on)."""
+    before = 0
+    for chunk in column.chunks:
+        try:
+            chunk.validate(full=True)
+        except pa.ArrowInvalid as err:
+            found = re.search(r"Invalid UTF8 sequence at string index (\d+)", str(err))
+            if not found:
+                raise
+            index = int(found[1])
+            raw = chunk.view(pa.large_binary() if pa.types.is_large_string(chunk.type) else pa.binary())[index]
+            try:
+                raw.as_py().decode()
+            except UnicodeDecodeError as bad:
+                near = bad.object[max(0, bad.start - 20):bad.start]
+                raise ConfigError(f"dataset {where} example {before + index + 1} is not UTF-8 text (byte "
+                                  f"0x{bad.object[bad.start]:02x} after {near!r}); save the file as UTF-8") from None
+        before += len(chunk)
 
 
 def _labels_of(data, where: str) -> set[int]:
