@@ -2,9 +2,14 @@
 no traceback, before any process waits on another. Under torchrun the launcher reports the failed
 workers with its own code (1) and each worker's line appears in its output."""
 
+import os
+import signal
 import subprocess
+import time
 
 import pytest
+
+from {{ cookiecutter.project_slug }}.errors import Interrupted, interruptible
 
 from conftest import ENTRIES, ROOT, error_lines, launch_cmd, worker_error_lines
 
@@ -68,3 +73,15 @@ def test_workers_report_their_error_under_torchrun(entry, env, tmp_path):
                 "use a multiple of 6 or another micro_batch_size")
     worker_error_lines(output, expected)
     assert "exitcode  : 2" in output
+
+
+def test_a_signal_in_an_interruptible_block_comes_out_as_interrupted_whatever_a_library_makes_of_it():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Interrupted) as caught, interruptible("while testing"):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            raise TimeoutError("a pool's clean-up that failed on the way out")
+    assert caught.value.signum == signal.SIGTERM and str(caught.value) == "stopped by SIGTERM while testing"
+    assert signal.getsignal(signal.SIGTERM) is before

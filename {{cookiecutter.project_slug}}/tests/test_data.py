@@ -6,9 +6,12 @@ import json
 import math
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,13 +21,25 @@ from {{ cookiecutter.project_slug }} import prepare as prepare_module
 from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.data import IGNORE_INDEX, Collator, eval_dataloader
-from {{ cookiecutter.project_slug }}.data_cache import cache_folder
+from {{ cookiecutter.project_slug }}.data_cache import STALE_S, cache_folder
 from {{ cookiecutter.project_slug }}.model import count_targets, load_tokenizer
 from {{ cookiecutter.project_slug }}.prepare import pack, prepare
-from {{ cookiecutter.project_slug }}.sources import check_source, find_source
+from {{ cookiecutter.project_slug }}.sources import check_source, find_source, read_raw
 from {{ cookiecutter.project_slug }}.windows import WindowSampler
 
-from conftest import DATA_CACHE, ENTRIES, ROOT, flag_args, run_entry
+from conftest import (
+    DATA_CACHE,
+    ENTRIES,
+    LAUNCH_TIMEOUT_S,
+    ROOT,
+    background_run,
+    children_of,
+    error_lines,
+    flag_args,
+    launch_cmd,
+    logs,
+    run_entry,
+)
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 
@@ -126,6 +141,15 @@ def test_dataset_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"lacks column\(s\) label"):
         check_source(find_source(load_config(["--config", CONFIG, "--dataset", str(tmp_path),
                                               "--task", "sequence_classification"])), "sequence_classification")
+
+
+def test_a_relative_folder_that_is_missing_is_named_as_a_folder_and_as_a_hub_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    source = find_source(load_config(["--config", CONFIG, "--dataset", "data/my_corpus"]))
+    with pytest.raises(ConfigError) as err:
+        read_raw(source, tmp_path / "raw")
+    assert str(err.value).startswith(f"dataset data/my_corpus is no folder ({tmp_path}/data/my_corpus does not exist) "
+                                     "and cannot be loaded from the Hub: ")
 
 
 def documents(*docs: list[int], chunks: int = 1):
@@ -360,3 +384,114 @@ def test_the_data_can_be_prepared_before_the_job(env, corpus, tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("ready: ") and "training and" in proc.stdout
     run = run_entry(ENTRIES[0], 1, tmp_path / "out", env, {**flags, "max_steps": 1})
     assert run.returncode == 0 and "data: prepar" not in run.stdout + run.stderr, run.stderr[-3000:]
+
+
+def test_a_lock_whose_holder_on_this_host_is_gone_is_taken_over_at_once(corpus, tmp_path, capsys):
+    """A preparer killed on this host: its fresh lock is taken over at once (its pid runs no more),
+    and what it left half written is removed, in one line."""
+    cfg = load_config(["--config", CONFIG, "--task", "causal_lm", "--dataset", str(corpus),
+                       "--data_cache_dir", str(tmp_path / "cache")])
+    tokenizer = load_tokenizer(cfg)
+    folder = cache_folder(cfg, find_source(cfg), tokenizer)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    holder = {"host": socket.gethostname(), "pid": gone.pid}
+    left = prepare_module.work_folder(folder, holder)
+    (left / "raw").mkdir(parents=True)
+    (left / "raw" / "part.arrow").write_bytes(b"\0" * 3 * 2**20)
+    folder.with_name(folder.name + ".lock").write_text(json.dumps(holder))
+    started = time.monotonic()
+    assert prepare(cfg, tokenizer).folder == folder and time.monotonic() - started < STALE_S
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
+    said = [line for line in capsys.readouterr().out.splitlines() if "is gone" in line]
+    assert said == [f"data: the process that was preparing {folder} is gone (host {holder['host']}, pid {gone.pid}), "
+                    f"removing the 3.0 MB it left in {left}; taking over"]
+
+
+@pytest.fixture(scope="module")
+def long_corpus(tmp_path_factory) -> Path:
+    """32,000 training documents (the shipped 800, over and over): a few seconds of tokenising in
+    2 processes, long enough for a signal to come meanwhile."""
+    folder = tmp_path_factory.mktemp("long_corpus")
+    source = ROOT / "src" / "{{ cookiecutter.project_slug }}" / "assets" / "data" / "causal_lm"
+    (folder / "train.jsonl").write_text((source / "train.jsonl").read_text() * 40)
+    shutil.copy(source / "validation.jsonl", folder / "validation.jsonl")
+    return folder
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie waits only for its parent to read its exit)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def signalled_while_preparing(corpus: Path, cache: Path, out: Path, env: dict, tmp_path: Path, signum: int,
+                              shell_ignores: bool = False) -> tuple[subprocess.CompletedProcess, int, list]:
+    """One process preparing `corpus` with 2 tokenising workers, given `signum` half a second into
+    the tokenising: its exit, its pid and its children then (workers, the pool's manager), its
+    output in `tmp_path`. `shell_ignores`: started as the sbatch scripts start it, from a shell
+    that ignores SIGUSR1."""
+    cmd = launch_cmd(ENTRIES[0], 1) + flag_args({"dataset": corpus, "data_cache_dir": cache, "data_num_proc": 2,
+                                                 "max_steps": 3}) + ["--output_dir", str(out)]
+    if shell_ignores:
+        cmd = ["bash", "-c", "trap '' USR1; exec \"$@\"", "bash", *cmd]
+    with background_run(cmd, env, tmp_path) as proc:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while "data: preparing" not in logs(tmp_path)[0]:
+            assert proc.poll() is None and time.monotonic() < deadline, logs(tmp_path)[1][-3000:]
+            time.sleep(0.05)
+        time.sleep(0.5)
+        children = children_of().get(proc.pid, [])
+        os.kill(proc.pid, signum)
+    stdout, stderr = logs(tmp_path)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), proc.pid, children
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_preparing_is_one_line_and_leaves_nothing_behind(long_corpus, env, tmp_path, signum):
+    cache = tmp_path / "cache"
+    proc, _, children = signalled_while_preparing(long_corpus, cache, tmp_path / "out", env, tmp_path, signum)
+    assert proc.returncode == 128 + signum and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"error: stopped by {signal.Signals(signum).name} while preparing {cache}/causal_lm-")
+    assert line.endswith(": nothing half written is left; the next start prepares it")
+    assert list(cache.iterdir()) == []  # neither the half-written folder nor the lock
+    assert len(children) >= 3 and not [pid for pid in children if running(pid)]
+    assert not (tmp_path / "out" / ".lock").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_preparer_leaves_no_process_and_the_next_start_takes_over_at_once(long_corpus, env, tmp_path):
+    cache, first = tmp_path / "cache", tmp_path / "first"
+    first.mkdir()
+    killed, pid, children = signalled_while_preparing(long_corpus, cache, tmp_path / "out", env, first, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL and len(children) >= 3
+    deadline = time.monotonic() + 5
+    while [child for child in children if running(child)]:  # Linux's parent-death signal ends them
+        assert time.monotonic() < deadline, [child for child in children if running(child)]
+        time.sleep(0.05)
+    assert any(p.name.startswith(".tmp-") for p in cache.iterdir()) and list(cache.glob("*.lock"))
+    started = time.monotonic()
+    again = run_entry(ENTRIES[0], 1, tmp_path / "out", env, {"dataset": long_corpus, "data_cache_dir": cache,
+                                                              "data_num_proc": 2, "max_steps": 1})
+    assert again.returncode == 0 and time.monotonic() - started < STALE_S, again.stderr[-3000:]
+    (folder,) = cache.glob("causal_lm-*")
+    taking_over = [line for line in again.stdout.splitlines() if line.startswith("data: the process that was")]
+    assert len(taking_over) == 1 and f"(host {socket.gethostname()}, pid {pid}), removing the " in taking_over[0]
+    left = prepare_module.work_folder(folder, {"host": socket.gethostname(), "pid": pid})
+    assert taking_over[0].endswith(f" MB it left in {left}; taking over")
+    assert [p.name for p in cache.iterdir()] == [folder.name]  # nothing half written, no lock
+
+
+@pytest.mark.slow
+def test_the_preemption_signal_while_preparing_stops_the_run_at_its_first_step(long_corpus, env, tmp_path):
+    """As the sbatch scripts start it (from a shell that ignores SIGUSR1): remembered, and honoured
+    at the first step boundary with a checkpoint."""
+    proc, _, _ = signalled_while_preparing(long_corpus, tmp_path / "cache", tmp_path / "out", env, tmp_path,
+                                           signal.SIGUSR1, shell_ignores=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(step 1 of 3), on preemption signal (SIGUSR1)" in proc.stdout
+    assert (tmp_path / "out" / "checkpoints" / "step_1").is_dir()

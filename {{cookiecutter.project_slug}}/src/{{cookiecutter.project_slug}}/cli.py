@@ -2,18 +2,22 @@
 early (errors.py) into one line and its exit code."""
 
 import os
+import signal
 import sys
 from collections.abc import Callable
 
+import torch.distributed as dist
+
 from .config import TrainConfig, load_config
 from .distributed import cleanup, lost_contact
-from .errors import ConfigError, JobFailed, RunFinished, first_line
+from .errors import ConfigError, Interrupted, JobFailed, RunFinished, first_line
 
 
 def run_cli(train: Callable[[TrainConfig], None]) -> None:
     """Parse the config and train. A ConfigError becomes one line on stderr and exit code 2, a
     JobFailed one line and its exit code, a RunFinished one line on stdout and exit code 0, and a
-    lost process (a collective that timed out, a peer that died) one line and exit code 1.
+    lost process (a collective that timed out, a peer that died) one line and exit code 1, and
+    Ctrl-C (or SIGTERM while data is prepared) one line and 128 + the signal's number.
 
     The process group is destroyed only after `train` has returned, so that DDP's reducer (which
     holds the group) is freed first: the other order can hang or abort in gloo's destructor.
@@ -38,6 +42,13 @@ def run_cli(train: Callable[[TrainConfig], None]) -> None:
         print(f"error: lost contact with the other processes ({first_line(err)}); the job stops: a restart "
               "(torchrun --max_restarts, a requeue) resumes it from its newest checkpoint", file=sys.stderr, flush=True)
         os._exit(1)  # a peer is gone or stuck: nothing may wait on it again, not even the exit
+    except (Interrupted, KeyboardInterrupt) as err:
+        signum = getattr(err, "signum", signal.SIGINT)
+        why = err if isinstance(err, Interrupted) else "stopped by SIGINT; a restart resumes from the newest checkpoint"
+        print(f"error: {why}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            os._exit(128 + signum)  # the others may be waiting in a collective: nothing may meet them now
+        sys.exit(128 + signum)
     cleanup()
     if failed:
         sys.exit(failed)

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .config import TrainConfig
+from .output_lock import process_started, running_here
 
 CACHE_FORMAT = 2  # bump when what preparation writes changes: older caches are then not used
 META_FILE = "prepared.json"
@@ -116,8 +117,9 @@ def cache_folder(cfg: TrainConfig, source, tokenizer) -> Path:
 class PreparationLock:
     """One process per filesystem prepares a dataset; the others (on every node that shares
     data_cache_dir) wait for it. The lock is a file created exclusively (atomic on local and NFS
-    filesystems), kept fresh by a heartbeat while its holder works: one older than STALE_S
-    belonged to a process that died, and the next process takes over. A data error the holder
+    filesystems), kept fresh by a heartbeat while its holder works. A holder on this host that no
+    longer runs is gone at once; elsewhere, one whose heartbeat is older than STALE_S: the next
+    process takes over. A data error the holder
     finds is left in an error file, which each waiting process reports as its own one line."""
 
     def __init__(self, folder: Path):
@@ -130,7 +132,8 @@ class PreparationLock:
         except FileExistsError:
             return False
         with os.fdopen(descriptor, "w") as f:
-            f.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+            pid = os.getpid()
+            f.write(json.dumps({"host": socket.gethostname(), "pid": pid, "started": process_started(pid)}))
         self.held.set()
         threading.Thread(target=self._beat, daemon=True).start()
         self.error.unlink(missing_ok=True)
@@ -148,13 +151,19 @@ class PreparationLock:
         self.held.clear()
         self.path.unlink(missing_ok=True)
 
-    def holder(self) -> str:
+    def holder(self) -> dict:
+        """Who holds the lock ({} where unknown: not written yet, or gone)."""
         with contextlib.suppress(OSError, ValueError):
             who = json.loads(self.path.read_text())
-            return f"{who['host']}:{who['pid']}"
-        return "another process"
+            return who if isinstance(who, dict) else {}
+        return {}
 
-    def stale(self) -> bool:
+    def gone(self) -> dict | None:
+        """The lock's holder where it died (at once on this host; elsewhere once its heartbeat is
+        older than STALE_S), else None."""
+        holder = self.holder()
+        here = running_here(holder) if "pid" in holder else None
         with contextlib.suppress(OSError):
-            return time.time() - self.path.stat().st_mtime > STALE_S
-        return False
+            if here is False or here is None and time.time() - self.path.stat().st_mtime > STALE_S:
+                return holder
+        return None

@@ -1,5 +1,9 @@
 """How a run ends early on purpose, each with one line (cli.run_cli)."""
 
+import contextlib
+import os
+import signal
+
 
 class ConfigError(Exception):
     """A mistake the user can fix: bad config, bad flag, bad input data, a launch that does not fit.
@@ -26,3 +30,42 @@ class RunFinished(Exception):
 def first_line(err: BaseException) -> str:
     """The part of a library's error a user needs: its first line."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+class Interrupted(BaseException):
+    """SIGINT (Ctrl-C) or SIGTERM where the run cannot stop at a step boundary (while it prepares
+    data): one line after the `finally` blocks have removed what was half written, exit code 128 +
+    the signal's number."""
+
+    def __init__(self, signum: int, doing: str):
+        super().__init__(f"stopped by {signal.Signals(signum).name} {doing}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interruptible(doing: str):
+    """Within the block SIGINT and SIGTERM raise Interrupted (once: a second signal does not cut the
+    clean-up short); whatever a library turns the first into on its way out, Interrupted comes out.
+    Child processes forked inside the block ignore SIGINT and end quietly on SIGTERM: their parent
+    answers for them."""
+    owner, got = os.getpid(), []
+
+    def handle(signum, frame):
+        if os.getpid() != owner:
+            if signum == signal.SIGTERM:
+                os._exit(128 + signum)
+            return
+        if not got:
+            got.append(signum)
+            raise Interrupted(signum, doing)
+
+    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except BaseException:
+        if got:
+            raise Interrupted(got[0], doing) from None
+        raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -34,7 +34,7 @@ def job_identity() -> str:
     return ""
 
 
-def _started(pid: int) -> str:
+def process_started(pid: int) -> str:
     """When process `pid` of this host started (clock ticks since boot), "" where unknown: a pid
     reused by a later process then does not pass for the holder."""
     with contextlib.suppress(OSError, IndexError):
@@ -42,17 +42,24 @@ def _started(pid: int) -> str:
     return ""
 
 
+def running_here(holder: dict) -> bool | None:
+    """Whether the process a lock file names (host, pid, started) still runs; None where it is on
+    another host, which only a heartbeat can tell."""
+    if holder.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not holder.get("started") or process_started(int(holder["pid"])) in ("", holder["started"])
+
+
 def _alive(holder: dict) -> bool:
     """Whether the holder of a lock still runs: on this host, by its pid; elsewhere, by its heartbeat."""
-    if holder.get("host") == socket.gethostname():
-        try:
-            os.kill(int(holder["pid"]), 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return not holder.get("started") or _started(int(holder["pid"])) in ("", holder["started"])
-    return time.time() - float(holder.get("heartbeat", 0)) <= STALE_S
+    here = running_here(holder)
+    return here if here is not None else time.time() - float(holder.get("heartbeat", 0)) <= STALE_S
 
 
 def describe(holder: dict) -> str:
@@ -68,7 +75,7 @@ class OutputLock:
     def __init__(self, output_dir: str):
         self.path = Path(output_dir) / LOCK_FILE
         self.mine = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_identity(), "since": time.time(),
-                     "started": _started(os.getpid())}
+                     "started": process_started(os.getpid())}
         self.held, self.stop, self.writing = False, threading.Event(), threading.Lock()
 
     def holder(self) -> dict | None:

@@ -4,9 +4,11 @@ memory-mapped. docs/data.md tells the story.
 """
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -18,8 +20,11 @@ from datasets import Dataset, DatasetDict, load_from_disk
 
 from .config import TrainConfig
 from .data_cache import HEARTBEAT_S, META_FILE, PreparationLock, cache_folder, checksums, content_fingerprint, damage
-from .errors import ConfigError
+from .errors import ConfigError, interruptible
 from .sources import Source, check_source, find_source, join, quiet_datasets, read_raw, validate
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+_PARENT: int | None = None  # the preparing process, while it prepares (children_end_with_this_process)
 
 
 def check_max_seq_len(cfg: TrainConfig, tokenizer) -> None:
@@ -49,6 +54,33 @@ def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig, work: Path) -> Datas
         })
 
 
+@contextlib.contextmanager
+def children_end_with_this_process():
+    """The processes forked within the block (tokenising workers, the pool's manager) end when this
+    one does, also when it is killed with SIGKILL: Linux's parent-death signal, asked for in each
+    child as it starts (elsewhere, only the pool's own clean-up)."""
+    global _PARENT
+    _PARENT = os.getpid()
+    try:
+        yield
+    finally:
+        _PARENT = None
+
+
+def _end_with_parent() -> None:
+    global _PARENT
+    parent, _PARENT = _PARENT, None  # a child's own children are its business
+    if parent is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the signal was asked for
+        os._exit(1)
+
+
+os.register_at_fork(after_in_child=_end_with_parent)
+
+
 def pack(documents, eos_id: int, block: int, path: Path):
     """Join the documents in order into one stream, one EOS between them (a document that ends in
     EOS gets none more), and cut it into blocks of `block` tokens; the remainder is dropped. The
@@ -74,11 +106,27 @@ def pack(documents, eos_id: int, block: int, path: Path):
     return Dataset.from_file(str(path))
 
 
+def work_folder(folder: Path, preparer: dict) -> Path:
+    """Where `preparer` (host, pid) writes `folder` before renaming it."""
+    return folder.with_name(f".tmp-{folder.name}-{preparer.get('host')}-{preparer.get('pid')}")
+
+
+def take_over(lock: PreparationLock, folder: Path, holder: dict) -> None:
+    """The lock of a preparer that died: removed, with what it left half written, in one line."""
+    work = work_folder(folder, holder)
+    size = sum(p.stat().st_size for p in work.rglob("*") if p.is_file()) if work.is_dir() else 0
+    shutil.rmtree(work, ignore_errors=True)
+    lock.path.unlink(missing_ok=True)
+    left = f", removing the {size / 2**20:.1f} MB it left in {work}" if size else ""
+    print(f"data: the process that was preparing {folder} is gone (host {holder.get('host', '?')}, pid "
+          f"{holder.get('pid', '?')}){left}; taking over", flush=True)
+
+
 def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> None:
     """Read, check, tokenise (and pack) the data into `folder`, atomically: a temporary folder
     beside it is renamed once everything is written."""
     started = time.monotonic()
-    work = folder.with_name(f".tmp-{folder.name}-{socket.gethostname()}-{os.getpid()}")
+    work = work_folder(folder, {"host": socket.gethostname(), "pid": os.getpid()})
     shutil.rmtree(work, ignore_errors=True)
     try:
         parts = read_raw(source, work / "raw")
@@ -133,29 +181,34 @@ def prepared_folder(cfg: TrainConfig, source: Source, tokenizer) -> Path:
             return checked == written
         return False
 
-    while not whole():
-        if lock.error.is_file() and lock.error.stat().st_mtime >= waiting_since - HEARTBEAT_S:
-            raise ConfigError(lock.error.read_text())  # what the process that prepared it found
-        if lock.acquire():
-            try:
-                problem = damage(folder)  # again, holding the lock: another process may have just prepared it
-                if problem:
-                    print(f"data: the prepared data in {folder} is damaged ({problem}); preparing it again", flush=True)
-                    shutil.rmtree(folder)
-                if problem != "":
-                    _prepare_into(folder, source, tokenizer, cfg)
-            except ConfigError as err:
-                lock.release(error=str(err))
-                raise
-            finally:
-                lock.release()
-        elif lock.stale():
-            lock.path.unlink(missing_ok=True)  # its holder died: the next loop takes over
-        else:
-            if not said and os.environ.get("RANK", "0") in ("0", ""):
-                print(f"data: waiting for {lock.holder()} to prepare {folder}", flush=True)
-                said = True
-            time.sleep(0.2)
+    with interruptible(f"while preparing {folder}: nothing half written is left; the next start prepares it"):
+        while not whole():
+            if lock.error.is_file() and lock.error.stat().st_mtime >= waiting_since - HEARTBEAT_S:
+                raise ConfigError(lock.error.read_text())  # what the process that prepared it found
+            if lock.acquire():
+                try:
+                    problem = damage(folder)  # again, holding the lock: another process may have just prepared it
+                    if problem:
+                        print(f"data: the prepared data in {folder} is damaged ({problem}); preparing it again",
+                              flush=True)
+                        shutil.rmtree(folder)
+                    if problem != "":
+                        with children_end_with_this_process():
+                            _prepare_into(folder, source, tokenizer, cfg)
+                except ConfigError as err:
+                    lock.release(error=str(err))
+                    raise
+                finally:
+                    lock.release()
+            elif (holder := lock.gone()) is not None:
+                take_over(lock, folder, holder)  # the next look takes the lock
+            else:
+                if not said and os.environ.get("RANK", "0") in ("0", ""):
+                    who = lock.holder()
+                    print(f"data: waiting for {who.get('host', 'another process')}:{who.get('pid', '?')} to prepare "
+                          f"{folder}", flush=True)
+                    said = True
+                time.sleep(0.2)
     return folder
 
 

@@ -131,7 +131,9 @@ def start(cfg: TrainConfig, entry: str) -> Run:
     """Every up-front check, then the run's facts. With --micro_batch_size auto the ranks meet once,
     to agree on the micro batch; every check after that fails the same way on every rank. A finished
     run is compared (its data too) and answered without the lock: it changes no file; any other job
-    holds output_dir's lock from here to its end."""
+    holds output_dir's lock from here to its end. The preemption signal is listened for from the
+    first line: one that comes while the data is prepared stops the run at its first step."""
+    preemption = PreemptionSignal()
     env = dist_env()
     quiet_libraries(env)
     launch = launch_of(cfg, entry)
@@ -148,14 +150,14 @@ def start(cfg: TrainConfig, entry: str) -> Run:
         make_output_dir(cfg.output_dir)
         lock.take(env)
     try:
-        return _start(cfg, entry, env, launch, schedule, resume, state, finished)
+        return _start(cfg, entry, env, launch, schedule, resume, state, finished, preemption)
     except BaseException:
         lock.release()
         raise
 
 
 def _start(cfg: TrainConfig, entry: str, env: DistEnv, launch: Launch, schedule: tuple, resume: Path | None,
-           state: dict | None, finished: bool) -> Run:
+           state: dict | None, finished: bool, preemption: PreemptionSignal) -> Run:
     auto, ceiling = cfg.micro_batch_size == "auto", 0
     if auto:
         check_auto_micro_batch(cfg, env)
@@ -182,5 +184,5 @@ def _start(cfg: TrainConfig, entry: str, env: DistEnv, launch: Launch, schedule:
     run = Run(cfg, env, launch, plan, resume, int(state["step"]) if state else 0, 0, tokenizer, config, data,
               prepared.folder, prepared.fingerprint, ds_config, peak_flops(cfg, env.device),
               adaptive=auto and entry != "trainer" and launch.backend == "ddp" and not launch.fsdp,
-              ceiling=ceiling, noise_state=tuple((state or {}).get("grad_noise", ())), preemption=PreemptionSignal())
+              ceiling=ceiling, noise_state=tuple((state or {}).get("grad_noise", ())), preemption=preemption)
     return replace(run, total_steps=total_steps(cfg, run.sampler()))
