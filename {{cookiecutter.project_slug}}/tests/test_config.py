@@ -12,6 +12,7 @@ import yaml
 
 from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.config import ConfigError, TrainConfig, load_config, render_yaml
+from {{ cookiecutter.project_slug }}.tracking import check_wandb
 
 from conftest import ROOT
 
@@ -154,3 +155,19 @@ def test_help_shows_the_config_files_values(tmp_path, capsys):
     shown = " ".join(capsys.readouterr().out.split())
     assert "Peak learning rate. (default: 0.25)" in shown
     assert "(default: 7)" in shown
+
+
+@pytest.mark.parametrize("mode,key,refused", [("online", "", True), ("ONLINE", "", True), ("online", "k" * 40, False),
+                                              ("offline", "", False), ("", "", False)])
+def test_wandb_told_to_upload_without_a_key_is_one_line(monkeypatch, tmp_path, mode, key, refused):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("WANDB_MODE", mode)
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    cfg = load_config(["--config", str(CONFIG), "--report_to", "wandb"])
+    if not refused:
+        check_wandb(cfg)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_wandb(cfg)
+    assert str(err.value) == (f"WANDB_MODE={mode}, but there is no W&B key (WANDB_API_KEY, or `wandb login`); log in, "
+                              "or set WANDB_MODE=offline and upload later with `wandb sync`")

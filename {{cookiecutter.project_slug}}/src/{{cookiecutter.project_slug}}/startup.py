@@ -33,6 +33,7 @@ from .optim import total_steps
 from .output_lock import OutputLock
 from .prepare import prepare
 from .speed import peak_flops, set_tf32
+from .tracking import check_wandb
 from .windows import WindowSampler
 
 AUTO_CEILING = "auto_micro_batch_size"  # in output_dir: the micro batch a restart of an auto run starts from
@@ -139,6 +140,7 @@ def start(cfg: TrainConfig, entry: str) -> Run:
     launch = launch_of(cfg, entry)
     schedule = parse_schedule(cfg.global_batch_size_schedule, cfg.global_batch_size)
     check_back_end(cfg, env, launch, schedule)
+    check_wandb(cfg)
     resume = resume_point(cfg)
     state, finished, lock = None, resume == final_dir(cfg.output_dir), OutputLock(cfg.output_dir)
     if resume is not None:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from .batch import BatchPlan
 from .config import TrainConfig
 from .distributed import DistEnv, print0
+from .errors import ConfigError
 
 TRAIN_KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
               "grad_sync_calls": "train/grad_sync_calls", "mfu": "train/mfu",
@@ -32,6 +33,13 @@ def _has_wandb_key() -> bool:
         return netrc.netrc().authenticators("api.wandb.ai") is not None
     except (OSError, netrc.NetrcParseError):
         return False
+
+
+def check_wandb(cfg: TrainConfig) -> None:
+    """An up-front check: W&B told to upload (WANDB_MODE=online) has a key to upload with."""
+    if cfg.report_to == "wandb" and os.environ.get("WANDB_MODE", "").lower() == "online" and not _has_wandb_key():
+        raise ConfigError(f"WANDB_MODE={os.environ['WANDB_MODE']}, but there is no W&B key (WANDB_API_KEY, or "
+                          "`wandb login`); log in, or set WANDB_MODE=offline and upload later with `wandb sync`")
 
 
 def run_name(env: DistEnv, plan: BatchPlan) -> str:
