@@ -152,7 +152,7 @@ def offline_env(tmp: Path) -> dict:
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
         HF_DATASETS_DISABLE_PROGRESS_BARS="1",
-        HF_DATASETS_CACHE=str(tmp / "hf_datasets"),
+        HF_DATASETS_CACHE=str(ROOT / ".pytest_cache" / "hf_datasets"),  # as the in-process tests' (pytest_configure)
         TORCHINDUCTOR_CACHE_DIR=str(ROOT / ".pytest_cache" / "torchinductor"),  # compiled kernels, kept
         WANDB_MODE="offline",
         WANDB_DIR=str(tmp / "wandb"),
@@ -202,16 +202,22 @@ def flag_args(flags: dict | None = None) -> list[str]:
 
 def run_entry(entry: str, nproc: int, output_dir: Path, env: dict, flags: dict | None = None,
               extra: list[str] | None = None) -> Run:
+    """The entry point on `nproc` processes: under torchrun for more than one (its exit code and
+    report of a failed worker are torchrun's), else as `python -m` runs it (forked_run)."""
     if 0 < GPUS < nproc:
         pytest.skip(f"{nproc} processes need {nproc} GPUs (nccl: one process per GPU); this machine has {GPUS}")
-    cmd = launch_cmd(entry, nproc) + flag_args(flags) + ["--output_dir", str(output_dir)] + (extra or [])
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT_S)
+    args = flag_args(flags) + ["--output_dir", str(output_dir)] + (extra or [])
+    if nproc == 1 and output_dir.parent.is_dir():  # the output beside the run's folder
+        proc = forked_run(entry, 1, args, env, output_dir.parent / f"{output_dir.name}.log")
+    else:
+        proc = subprocess.run(launch_cmd(entry, nproc) + args, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=LAUNCH_TIMEOUT_S)
     return Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
 
 
-# Fork servers (fork_launcher.py) by entry point and environment, the most recently used last;
-# each holds an entry point's imports (about half a GB), so a few are kept.
+# Fork servers (fork_launcher.py) by entry point and environment (but W&B's variables, which only
+# the run reads: wandb is imported when a run starts it), the most recently used last; each holds
+# an entry point's imports (about half a GB), so a few are kept.
 LAUNCHERS: dict[tuple, ForkLauncher] = {}
 KEPT_LAUNCHERS = 4
 
@@ -220,17 +226,24 @@ def forked_run(entry: str, nproc: int, args: list[str], env: dict, logs: Path) -
     """The entry point with `args` on `nproc` processes, as `python -m` or torchrun would start it,
     forked from a process that imported it in `env` (fork_launcher.py); its output also in
     `logs`.stdout and .stderr. Under torchrun where there are GPUs (a process that may have touched
-    CUDA must not fork) and for torch.compile (its compile workers hang in a forked process). For
-    runs that should succeed: the exit code and report of a failed worker are torchrun's own."""
+    CUDA must not fork) and for torch.compile (its compile workers hang in a forked process). One
+    process: any run (its exit code is the process's, as under `python -m`); more: runs that should
+    succeed (the exit code and report of a failed worker are torchrun's own)."""
     if GPUS or "--compile" in args and args[args.index("--compile") + 1] == "true":
         return subprocess.run(launch_cmd(entry, nproc) + args, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=LAUNCH_TIMEOUT_S)
     module = f"{SLUG}.train_{entry}"
-    key = (module, tuple(sorted(env.items())))
+    key = (module, tuple(sorted((k, v) for k, v in env.items() if not k.startswith("WANDB_"))))
     LAUNCHERS[key] = LAUNCHERS.pop(key, None) or ForkLauncher([module], env, ROOT)
     while len(LAUNCHERS) > KEPT_LAUNCHERS:
         LAUNCHERS.pop(next(iter(LAUNCHERS))).close()
     return LAUNCHERS[key].run(module, args, nproc, {**env, "MASTER_PORT": str(free_port())}, logs, LAUNCH_TIMEOUT_S)
+
+
+def successful_run(entry: str, nproc: int, out: Path, env: dict, flags: dict | None = None) -> Run:
+    """A run that should succeed, into `out` (forked_run: its output also in `out`.stdout and .stderr)."""
+    proc = forked_run(entry, nproc, flag_args(flags) + ["--output_dir", str(out)], env, out)
+    return Run(proc.returncode, proc.stdout, proc.stderr, out)
 
 
 class RunCache:
@@ -243,9 +256,8 @@ class RunCache:
         self.env = offline_env(root)
 
     def run(self, entry: str, nproc: int, out: Path, flags: dict) -> Run:
-        """A run into `out` in this cache's environment, not cached (forked_run)."""
-        proc = forked_run(entry, nproc, flag_args(flags) + ["--output_dir", str(out)], self.env, out)
-        return Run(proc.returncode, proc.stdout, proc.stderr, out)
+        """A run into `out` in this cache's environment, not cached."""
+        return successful_run(entry, nproc, out, self.env, flags)
 
     def __call__(self, entry: str, nproc: int, **flags) -> Run:
         key = (entry, nproc, tuple(sorted((k, str(v)) for k, v in flags.items())))

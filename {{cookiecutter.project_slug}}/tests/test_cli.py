@@ -11,14 +11,18 @@ import pytest
 
 from {{ cookiecutter.project_slug }}.errors import Interrupted, interruptible
 
-from conftest import ENTRIES, ROOT, error_lines, launch_cmd, worker_error_lines
+from conftest import ENTRIES, ROOT, error_lines, forked_run, launch_cmd, worker_error_lines
 
 
 def launch(entry, nproc, args, env, tmp_path):
-    cmd = launch_cmd(entry, nproc) + ["--report_to", "none", "--max_steps", "2"] + args
+    """Under torchrun for more than one process, else as `python -m` runs it (forked_run)."""
+    args = ["--report_to", "none", "--max_steps", "2", *args]
     if "--output_dir" not in args:
-        cmd += ["--output_dir", str(tmp_path / "out")]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        args += ["--output_dir", str(tmp_path / "out")]
+    if nproc == 1:
+        return forked_run(entry, 1, args, env, tmp_path / "launch")
+    return subprocess.run(launch_cmd(entry, nproc) + args, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
 
 
 def bad_inputs(tmp_path):

@@ -39,6 +39,7 @@ from conftest import (
     launch_cmd,
     logs,
     run_entry,
+    successful_run,
 )
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
@@ -360,14 +361,14 @@ def test_a_lock_left_by_a_dead_preparer_is_taken_over(corpus, tmp_path):
 def test_two_processes_prepare_the_data_once_and_a_second_start_reuses_it(env, corpus, tmp_path):
     flags = {"dataset": corpus, "data_cache_dir": tmp_path / "cache", "micro_batch_size": 2, "global_batch_size": 8,
              "max_steps": 2}
-    first = run_entry(ENTRIES[0], 2, tmp_path / "first", env, flags)
+    first = successful_run(ENTRIES[0], 2, tmp_path / "first", env, flags)
     assert first.returncode == 0, first.stderr[-3000:]
     output = first.stdout + first.stderr
     assert output.count("data: preparing ") == 1 and output.count("data: prepared ") == 1, output[-3000:]
     (folder,) = (tmp_path / "cache").glob("causal_lm-corpus-*")
     meta = json.loads((folder / "prepared.json").read_text())
     assert meta["prepared_by"]["rank"] in ("0", "1") and meta["examples"]["train"] == 800
-    second = run_entry(ENTRIES[0], 2, tmp_path / "second", env, flags)
+    second = successful_run(ENTRIES[0], 2, tmp_path / "second", env, flags)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "data: prepar" not in second.stdout + second.stderr
     assert json.loads((folder / "prepared.json").read_text()) == meta

@@ -1,6 +1,6 @@
 """Losing nothing: a stopped, preempted or crashed job continues exactly from its last checkpoint,
 a crash while a checkpoint is written leaves the previous one usable, and a run with a W&B key
-leaves no copy of it behind. Every run is real: 2 gloo processes under torchrun."""
+leaves no copy of it behind. Every run is real: 2 gloo processes, under torchrun or forked as torchrun starts them."""
 
 import json
 import os
@@ -37,6 +37,7 @@ from conftest import (
     run_with_publish_hook,
     short_windows,
     signal_process_tree,
+    successful_run,
     wait_for_step,
     worker_error_lines,
 )
@@ -130,7 +131,7 @@ def test_preemption_signal_checkpoints_and_the_job_continues(entry, env, tmp_pat
     assert json.loads((out / "checkpoints" / f"step_{stopped}" / "state.json").read_text())["step"] == stopped
     assert not (out / "final_model").exists()
 
-    resumed = run_entry(entry, 2, out, env, {**LONG, "resume_from_checkpoint": "auto"})
+    resumed = successful_run(entry, 2, out, env, {**LONG, "resume_from_checkpoint": "auto"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming after step {stopped}" in resumed.stdout
     assert [r["step"] for r in resumed.steps] == list(range(1, LONG["max_steps"] + 1))
@@ -204,8 +205,8 @@ def test_damaged_checkpoint_is_one_line(env, tmp_path):
 def test_no_copy_of_the_wandb_key_is_left(entry, env, tmp_path):
     key = "local-" + os.urandom(20).hex()  # the shape of a W&B key; never sent: WANDB_MODE=offline
     out = tmp_path / "out"
-    run = run_entry(entry, 2, out, {**env, "WANDB_API_KEY": key},
-                    {**ACCUM, "report_to": "wandb", "save_steps": 4, "max_steps": 6})
+    run = successful_run(entry, 2, out, {**env, "WANDB_API_KEY": key},
+                         {**ACCUM, "report_to": "wandb", "save_steps": 4, "max_steps": 6})
     assert run.returncode == 0, run.stderr[-3000:]
     scanned = [p for folder in (out, Path(env["WANDB_DIR"])) for p in folder.rglob("*") if p.is_file()]
     assert any(p.suffix == ".wandb" for p in scanned) and any("checkpoints" in p.parts for p in scanned)

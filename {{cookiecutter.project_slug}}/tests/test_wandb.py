@@ -13,7 +13,7 @@ from wandb.proto import wandb_internal_pb2
 
 from {{ cookiecutter.project_slug }}.config import TrainConfig
 
-from conftest import ENTRIES, TASK, run_entry
+from conftest import ENTRIES, TASK, run_entry, successful_run
 
 TRAIN_KEYS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/grad_sync_calls",
               "train/global_batch_size", "train/micro_batch_size"}  # + train/grad_noise_scale once it exists
@@ -61,7 +61,7 @@ def test_offline_wandb_run(entry, env, tmp_path):
     env = {k: v for k, v in env.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
     env.update(WANDB_DIR=str(wandb_dir), HOME=str(tmp_path))
     flags = {"report_to": "wandb", "micro_batch_size": 2, "global_batch_size": 16, "max_steps": 3}
-    run = run_entry(entry, 2, tmp_path / "out", env, flags)
+    run = successful_run(entry, 2, tmp_path / "out", env, flags)
     assert run.returncode == 0, run.stderr[-3000:]
     (run_file,) = wandb_dir.rglob("*.wandb")  # one run: rank 0 only
     assert run_file.parent.name.startswith("offline-run-")
