@@ -29,6 +29,7 @@ PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # SLURM's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}){0,2}")
 POSITIVE_INT = re.compile(r"[1-9][0-9]{0,6}")
+LOCAL_PROCESSES = 2  # `make train` and the tests on a machine without GPUs
 
 
 def check_slug(slug: str) -> str | None:
@@ -56,6 +57,17 @@ def check_numbers(answers: dict) -> str | None:
             f"global_batch_size {numbers['global_batch_size']} is not divisible by micro_batch_size "
             f"{numbers['micro_batch_size']} x num_nodes {numbers['num_nodes']} x gpus_per_node "
             f"{numbers['gpus_per_node']} = {per_step}; use a multiple of {per_step}, e.g. {per_step * 2}"
+        )
+    local = numbers["micro_batch_size"] * LOCAL_PROCESSES
+    if numbers["global_batch_size"] % local:
+        fits = [m for m in range(1, numbers["micro_batch_size"])
+                if numbers["global_batch_size"] % (m * LOCAL_PROCESSES) == 0
+                and numbers["global_batch_size"] % (m * numbers["num_nodes"] * numbers["gpus_per_node"]) == 0]
+        advice = f"a micro_batch_size of {fits[-1]}" if fits else f"a global_batch_size that is a multiple of {local}"
+        return (
+            f"global_batch_size {numbers['global_batch_size']} is not divisible by micro_batch_size "
+            f"{numbers['micro_batch_size']} x {LOCAL_PROCESSES}, the CPU processes of `make train` and of the "
+            f"project's own tests = {local}; use {advice}"
         )
     return None
 

@@ -28,6 +28,13 @@ BAD_ANSWERS = [
     ({"global_batch_size": "48"},
      "global_batch_size 48 is not divisible by micro_batch_size 8 x num_nodes 1 x gpus_per_node 4 = 32"),
     ({"num_nodes": "3", "global_batch_size": "64"}, "is not divisible by micro_batch_size 8 x num_nodes 3"),
+    # valid for the cluster, not for the 2 CPU processes of `make train` and the project's tests
+    ({"gpus_per_node": "3", "global_batch_size": "24"},
+     "global_batch_size 24 is not divisible by micro_batch_size 8 x 2, the CPU processes of `make train` and of the "
+     "project's own tests = 16; use a micro_batch_size of 4"),
+    ({"gpus_per_node": "1", "global_batch_size": "8"}, "= 16; use a micro_batch_size of 4"),
+    ({"gpus_per_node": "3", "micro_batch_size": "3", "global_batch_size": "9"},
+     "= 6; use a global_batch_size that is a multiple of 6"),
     ({"slurm_partition": "gpu; rm -rf /"}, "slurm_partition 'gpu; rm -rf /' is not a plain name"),
     ({"slurm_partition": ""}, "slurm_partition '' is not a plain name"),
     ({"slurm_account": "$(whoami)"}, "slurm_account '$(whoami)' is not a plain name"),
@@ -58,6 +65,7 @@ def test_unknown_choice_is_refused_by_cookiecutter(tmp_path):
     {"slurm_time": "1-00:00:00", "slurm_account": "", "wandb_entity": ""},
     {"slurm_time": "90", "slurm_account": "my_lab", "wandb_entity": "my-team", "slurm_partition": "a100"},
     {"micro_batch_size": "3", "global_batch_size": "96", "num_nodes": "4", "gpus_per_node": "8"},
+    {"micro_batch_size": "4", "global_batch_size": "24", "gpus_per_node": "3"},
 ])
 def test_good_answers_are_accepted(tmp_path, answers):
     proc = bake_cli(tmp_path, **answers)
