@@ -1,7 +1,13 @@
-"""Helpers for the template's own tests: bake with the real cookiecutter, list what came out."""
+"""Helpers for the template's own tests: bake with the real cookiecutter, list what came out, run a
+bake's own test suite (the default bake's slow tier in the background from the start)."""
 
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +26,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("measured")
         for text in MEASURED:
             terminalreporter.write_line(text)
+
+
 DEFAULTS = {"task": "causal_lm", "entry_points": "all", "deepspeed_stage": "2"}
 
 
@@ -49,3 +57,79 @@ def baked(cookies_session):
         return cache[key]
 
     return bake
+
+
+GENERATED_SUITE_TIMEOUT_S = 3600  # the default bake's slow tier: about 25 minutes on a 2-core VM beside the rest
+
+# The task only sets the generated config's default: the whole suite runs on the default bake (its
+# slow tier here; its fast tier is the CI workflow's `make test`, which test_team runs in the same
+# bake, the default answers), and the parity tests run again on the other, for its loss (the mean
+# over examples), in the 1x1 and 2x4 cells (2x4 holds both data parallelism and accumulation; 1x4
+# and 2x1 are the default bake's), less what does not depend on the task: two torchrun agents,
+# sync counts, the lr of every cell, and the packed cells (causal_lm's). Both in 2 pytest-xdist
+# workers, as the project's Makefile runs its tests.
+TASK_SUITES = {"causal_lm": ["-n", "2", "--dist", "loadfile", "-m", "slow"],
+               "sequence_classification": ["-n", "2", "tests/test_parity.py", "-k", "not two_torchrun_agents and not "
+                                           "ddp_syncs and not learning_rate and not packed and not 1x4 and not 2x1"]}
+# The longest of them mostly waits on a few processes: it starts as soon as the tests are collected
+# and its test runs last, so that the template's other tests run meanwhile.
+BACKGROUND_TASKS = ("causal_lm",)
+SUITE_TEST = "test_generated_suite_passes"
+
+
+class GeneratedSuite:
+    """A bake's own pytest in a process group of its own, its output in files beside the project
+    (a full pipe would stall it)."""
+
+    def __init__(self, project: Path, *pytest_args: str):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "PYTEST_"))}
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+        self.cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args]
+        self.logs = tempfile.mkdtemp(prefix="suite-", dir=project.parent)
+        with open(f"{self.logs}/stdout", "w") as stdout, open(f"{self.logs}/stderr", "w") as stderr:
+            self.proc = subprocess.Popen(self.cmd, cwd=project, env=env, stdout=stdout, stderr=stderr,
+                                         start_new_session=True)
+        self.deadline = time.monotonic() + GENERATED_SUITE_TIMEOUT_S
+
+    def result(self) -> subprocess.CompletedProcess:
+        """Wait for it (until GENERATED_SUITE_TIMEOUT_S after its start, then kill it and fail)."""
+        try:
+            self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+        finally:
+            self.kill()
+        return subprocess.CompletedProcess(self.cmd, self.proc.returncode, Path(f"{self.logs}/stdout").read_text(),
+                                           Path(f"{self.logs}/stderr").read_text())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+BACKGROUND: dict[str, GeneratedSuite] = {}
+BACKGROUND_BAKES: list[Path] = []
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests of the background suites go last (their suites start in pytest_collection_finish)."""
+    items.sort(key=lambda item: item.originalname == SUITE_TEST and item.callspec.params["task"] in BACKGROUND_TASKS)
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        task = item.callspec.params["task"] if item.originalname == SUITE_TEST else None
+        if task in BACKGROUND_TASKS and task not in BACKGROUND:
+            out = Path(tempfile.mkdtemp(prefix=f"bake-{task}-"))
+            BACKGROUND_BAKES.append(out)
+            bake = bake_cli(out, task=task)
+            assert bake.returncode == 0, bake.stderr
+            BACKGROUND[task] = GeneratedSuite(out / "gacc_train", *TASK_SUITES[task])
+
+
+def pytest_unconfigure(config):
+    for suite in BACKGROUND.values():
+        suite.kill()
+    for out in BACKGROUND_BAKES:
+        shutil.rmtree(out, ignore_errors=True)

@@ -3,7 +3,6 @@ clean, answers recorded; and the baked projects' own test suites pass."""
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 import tomllib
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import project_files, report
+from conftest import BACKGROUND, GENERATED_SUITE_TIMEOUT_S, TASK_SUITES, GeneratedSuite, project_files, report
 
 TASKS = ("causal_lm", "sequence_classification")
 ENTRY_POINTS = ("all", "pytorch", "accelerate", "trainer")
@@ -96,35 +95,12 @@ def test_slug_is_used_everywhere(baked):
     assert project_files(project) == expected_files("acme_train", "all", "2")
 
 
-GENERATED_SUITE_TIMEOUT_S = 3600  # the default bake's slow tier: about 37 minutes on a 2-core VM (2026-12-02)
-
-
-def run_generated_suite(project: Path, *pytest_args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "PYTEST_"))}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
-                          cwd=project, env=env, capture_output=True, text=True, timeout=GENERATED_SUITE_TIMEOUT_S)
-
-
-# The task only sets the generated config's default: the whole suite runs on the default bake (its
-# slow tier here; its fast tier is the CI workflow's `make test`, which test_team runs in the same
-# bake, the default answers), and the parity tests run again on the other, for its loss (the mean
-# over examples), in the 1x1
-# and 2x4 cells (2x4 holds both data parallelism and accumulation; 1x4 and 2x1 are the default
-# bake's), less what does not depend on the task: two torchrun agents, sync counts, the lr of
-# every cell, and the packed cells (causal_lm's).
-# Both in 2 pytest-xdist workers, as the project's Makefile runs its tests.
-TASK_SUITES = {"causal_lm": ["-n", "2", "--dist", "loadfile", "-m", "slow"],
-               "sequence_classification": ["-n", "2", "tests/test_parity.py", "-k", "not two_torchrun_agents and not "
-                                           "ddp_syncs and not learning_rate and not packed and not 1x4 and not 2x1"]}
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(GENERATED_SUITE_TIMEOUT_S + 60)
 @pytest.mark.parametrize("task", TASKS)
 def test_generated_suite_passes(baked, task):
-    project = baked(task=task)
-    proc = run_generated_suite(project, *TASK_SUITES[task])
+    """The background suites (conftest.BACKGROUND_TASKS) started when the tests were collected."""
+    proc = (BACKGROUND.get(task) or GeneratedSuite(baked(task=task), *TASK_SUITES[task])).result()
     # the generated suite's "measured" section (parameter differences, sync counts, accuracies), for the log
     section = proc.stdout.partition(" measured ")[2].splitlines()[1:]
     measured = itertools.takewhile(lambda line: not line.startswith("="), section)
@@ -136,6 +112,6 @@ def test_generated_suite_passes(baked, task):
 @pytest.mark.parametrize("entry_points", ENTRY_POINTS[1:])
 def test_single_entry_projects_pass_their_fast_tests(baked, entry_points):
     project = baked(entry_points=entry_points, deepspeed_stage="none")
-    proc = run_generated_suite(project, "tests/test_config.py", "tests/test_data.py",
-                               "tests/test_scripts.py", "-m", "not slow", "-k", "not trains_with")
+    proc = GeneratedSuite(project, "tests/test_config.py", "tests/test_data.py", "tests/test_scripts.py", "-m",
+                          "not slow", "-k", "not trains_with").result()
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
