@@ -3,13 +3,19 @@ that fills while a checkpoint is written (RLIMIT_FSIZE: the kernel refuses the w
 that stops answering (SIGSTOP). Each stops the job cleanly with one line per process and keeps
 what was good; a restart continues from the newest complete checkpoint."""
 
+import errno
 import json
+import os
 import re
 import signal
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from {{ cookiecutter.project_slug }}.checkpoint import STATE_FILE
+from {{ cookiecutter.project_slug }}.errors import JobFailed
+from {{ cookiecutter.project_slug }}.tracking import append_line
 
 from conftest import (
     ACCUM,
@@ -170,3 +176,29 @@ def test_metrics_hold_each_step_once_and_nothing_is_lost(tmp_path, capsys):
     assert capsys.readouterr().out == "" and len(path.read_text().splitlines()) == 5
     set_aside(path, 0)  # a fresh run in the folder of a run that left no checkpoint
     assert path.read_text() == "" and len(aside.read_text().splitlines()) == 8
+
+
+def test_a_full_disk_under_metrics_jsonl_stops_the_job_with_one_line_and_leaves_no_part_of_a_record(
+        tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n')
+    write = os.write
+
+    def half_then_full(fd, data):  # the disk fills up halfway through the record
+        if not data.startswith(b'{"step": 2'):
+            return write(fd, data)
+        write(fd, data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(JobFailed) as err:
+        append_line(path, '{"step": 2, "loss": 0.5}')
+    monkeypatch.undo()
+    assert str(err.value) == (f"could not write {path} (No space left on device); no checkpoint was completed before "
+                              "it: free space and start the run again")
+    assert path.read_text() == '{"step": 1, "loss": 1.0}\n'  # strict JSON lines still
+    (tmp_path / "checkpoints" / "step_4").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_4" / STATE_FILE).write_text("{}")
+    (tmp_path / "full.jsonl").symlink_to("/dev/full")  # a real ENOSPC
+    with pytest.raises(JobFailed, match=r"\(No space left on device\); the newest complete checkpoint is "):
+        append_line(tmp_path / "full.jsonl", "{}")

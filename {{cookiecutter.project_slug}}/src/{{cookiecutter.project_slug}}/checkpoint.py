@@ -54,6 +54,15 @@ def newest_checkpoint(output_dir: str) -> str:
     return f"the newest complete checkpoint is {found[-1]}" if found else "no checkpoint was completed before"
 
 
+def after_a_failed_write(output_dir: str) -> str:
+    """What a job that a failed write (a full disk) stopped says to do next."""
+    found = complete_checkpoints(output_dir)
+    if found:
+        return (f"the newest complete checkpoint is {found[-1]}: free space and resume it with "
+                "--resume_from_checkpoint auto")
+    return "no checkpoint was completed before it: free space and start the run again"
+
+
 def library_versions() -> dict[str, str]:
     found = {}
     for name in LIBRARIES:
@@ -246,8 +255,7 @@ def _attempt(env: DistEnv, output_dir: str, what: str, action: Callable[[], None
     failed = ranks_with(error is not None, env.device)
     if failed:
         reason = f"{type(error).__name__}: {first_line(error)}" if error else f"{failed} other process(es) failed"
-        raise JobFailed(f"could not write {what} ({reason}); {newest_checkpoint(output_dir)}: free space and resume "
-                        "it with --resume_from_checkpoint auto", agreed=True)
+        raise JobFailed(f"could not write {what} ({reason}); {after_a_failed_write(output_dir)}", agreed=True)
 
 
 def write_atomically(cfg: TrainConfig, env: DistEnv, final: Path, write: Callable[[Path], None],

@@ -4,6 +4,7 @@ optimizer step; keys under `train/` and `eval/`; offline without an API key, whi
 writes anywhere) and the progress line. docs/guarantees.md lists the keys.
 """
 
+import contextlib
 import json
 import math
 import netrc
@@ -16,9 +17,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .batch import BatchPlan
+from .checkpoint import after_a_failed_write
 from .config import TrainConfig
 from .distributed import DistEnv, print0
-from .errors import ConfigError
+from .errors import ConfigError, JobFailed
 
 TRAIN_KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
               "grad_sync_calls": "train/grad_sync_calls", "mfu": "train/mfu",
@@ -160,6 +162,25 @@ def set_aside(path: Path, step: int) -> None:
            f"before the job stopped) moved to {aside}")
 
 
+def append_line(path: Path, line: str) -> None:
+    """Append `line` whole, or not at all: where the disk is full, a part written is cut off again
+    (the file stays strict JSON lines) and the job stops with one line."""
+    data = (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        raise JobFailed(f"could not write {path} ({err.strerror or type(err).__name__}); "
+                        f"{after_a_failed_write(str(path.parent))}") from None
+    finally:
+        os.close(fd)
+
+
 class Tracker:
     """Rank 0 writes; other ranks hold a Tracker that does nothing.
 
@@ -188,8 +209,7 @@ class Tracker:
         if not self.active:
             return
         record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record, allow_nan=False) + "\n")
+        append_line(self.path, json.dumps(record, allow_nan=False))
         if self.wandb_run is not None:
             self.wandb_run.log(self._wandb_record(record), step=record["step"])
         if "loss" in record:

@@ -25,7 +25,7 @@ from safetensors.torch import load_model
 from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .checkpoint import checkpoints_dir, newest_checkpoint
+from .checkpoint import after_a_failed_write, checkpoints_dir
 from .cli import run_cli
 from .config import TrainConfig
 from .errors import JobFailed, first_line
@@ -129,8 +129,7 @@ def checkpoint_failed(cfg: TrainConfig, session: Session, err: Exception) -> Job
         for partial_write in checkpoints_dir(cfg.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
             shutil.rmtree(partial_write, ignore_errors=True)
     return JobFailed(f"could not write a checkpoint ({type(err).__name__}: {first_line(err)}); "
-                     f"{newest_checkpoint(cfg.output_dir)}: free space and resume it with "
-                     "--resume_from_checkpoint auto")
+                     f"{after_a_failed_write(cfg.output_dir)}")
 
 
 def main() -> None:
