@@ -2,6 +2,7 @@
 or dropped, padding on the right and masked out of the loss; and the data's preparation: once per
 data and settings, shared by every process and later run, packed into blocks when asked."""
 
+import errno
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import pytest
 from datasets import Dataset, concatenate_datasets
 
 from {{ cookiecutter.project_slug }} import prepare as prepare_module
+from {{ cookiecutter.project_slug }} import sources as sources_module
 from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.data import IGNORE_INDEX, Collator, eval_dataloader
@@ -496,3 +498,33 @@ def test_the_preemption_signal_while_preparing_stops_the_run_at_its_first_step(l
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(step 1 of 3), on preemption signal (SIGUSR1)" in proc.stdout
     assert (tmp_path / "out" / "checkpoints" / "step_1").is_dir()
+
+
+@pytest.mark.parametrize("where", ["reading", "tokenising"])
+def test_a_full_disk_while_preparing_is_one_line_about_the_disk_not_the_data(corpus, tmp_path, monkeypatch, where):
+    def full(*args, **kwargs):
+        raise RuntimeError("a library's own error around it") from OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(*((sources_module, "load_dataset") if where == "reading" else (prepare_module, "tokenize")),
+                        full)
+    with pytest.raises(ConfigError) as err:
+        prepare_in(corpus, tmp_path / "cache")
+    assert str(err.value) == (f"data_cache_dir {tmp_path / 'cache'} has no room to prepare {corpus} (No space left on "
+                              "device); free space there, or give --data_cache_dir a folder on a disk with room")
+    assert not [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".tmp-") or p.suffix == ".lock"]
+
+
+def test_a_data_cache_dir_that_cannot_be_written_to_is_one_line(corpus, tmp_path, monkeypatch):
+    """As for a folder of another user (root, who runs this suite in CI, may write anywhere)."""
+    opened = os.open
+
+    def refused(path, *args, **kwargs):
+        if str(path).endswith(".lock"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return opened(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refused)
+    with pytest.raises(ConfigError) as err:
+        prepare_in(corpus, tmp_path / "cache")
+    assert str(err.value) == (f"data_cache_dir {tmp_path / 'cache'} cannot be written to (Permission denied); choose "
+                              "a folder you can write to")

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .config import TrainConfig
+from .errors import ConfigError
 from .output_lock import process_started, running_here
 
 CACHE_FORMAT = 2  # bump when what preparation writes changes: older caches are then not used
@@ -131,6 +132,9 @@ class PreparationLock:
             descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
+        except OSError as err:
+            raise ConfigError(f"data_cache_dir {self.path.parent} cannot be written to ({err.strerror}); choose a "
+                              "folder you can write to") from None
         with os.fdopen(descriptor, "w") as f:
             pid = os.getpid()
             f.write(json.dumps({"host": socket.gethostname(), "pid": pid, "started": process_started(pid)}))

@@ -1,6 +1,7 @@
 """How a run ends early on purpose, each with one line (cli.run_cli)."""
 
 import contextlib
+import errno
 import os
 import signal
 
@@ -25,6 +26,17 @@ class JobFailed(Exception):
 class RunFinished(Exception):
     """Not an error: the run in output_dir is already done with this config. One line, exit code 0,
     and no file changed (what makes a SLURM requeue loop safe)."""
+
+
+def disk_full(err: BaseException) -> OSError | None:
+    """The full disk (or quota) behind `err`, wherever a library wrapped it; None if there is none."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def first_line(err: BaseException) -> str:

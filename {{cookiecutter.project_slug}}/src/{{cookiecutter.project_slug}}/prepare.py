@@ -20,7 +20,7 @@ from datasets import Dataset, DatasetDict, load_from_disk
 
 from .config import TrainConfig
 from .data_cache import HEARTBEAT_S, META_FILE, PreparationLock, cache_folder, checksums, content_fingerprint, damage
-from .errors import ConfigError, interruptible
+from .errors import ConfigError, disk_full, interruptible
 from .sources import Source, check_source, find_source, join, quiet_datasets, read_raw, validate
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -153,6 +153,12 @@ def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> 
                 raise
         print(f"data: prepared {meta['examples']['train']:,} training and {meta['examples']['validation']:,} "
               f"validation {'blocks' if cfg.packing else 'examples'} in {meta['seconds']:.1f} s: {folder}", flush=True)
+    except Exception as err:
+        full = disk_full(err)
+        if full is None:
+            raise
+        raise ConfigError(f"data_cache_dir {folder.parent} has no room to prepare {source.name} ({full.strerror}); "
+                          "free space there, or give --data_cache_dir a folder on a disk with room") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

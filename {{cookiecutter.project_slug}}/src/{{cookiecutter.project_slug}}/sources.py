@@ -21,7 +21,7 @@ from datasets import DatasetDict, concatenate_datasets, load_dataset, load_from_
 
 from . import ASSETS
 from .config import TrainConfig
-from .errors import ConfigError, first_line
+from .errors import ConfigError, disk_full, first_line
 
 SPLITS = ("train", "validation")
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -241,6 +241,8 @@ def _read_file(path: Path, builder: str, cache_dir: str | None):
     try:
         return load_dataset(builder, data_files={"train": str(path)}, cache_dir=cache_dir)["train"]
     except Exception as err:  # pyarrow, pandas and datasets each raise their own
+        if disk_full(err):
+            raise  # not the file's fault: the preparation says so (prepare.py)
         if "corresponds to no data" in str(err):
             raise ConfigError(f"dataset file {path} holds no examples") from None
         if builder == "json":
