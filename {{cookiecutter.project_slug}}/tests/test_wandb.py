@@ -13,7 +13,7 @@ from wandb.proto import wandb_internal_pb2
 
 from {{ cookiecutter.project_slug }}.config import TrainConfig
 
-from conftest import ENTRIES, TASK, run_entry, successful_run
+from conftest import ENTRIES, TASK, free_port, run_entry, successful_run
 
 TRAIN_KEYS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/grad_sync_calls",
               "train/global_batch_size", "train/micro_batch_size"}  # + train/grad_noise_scale once it exists
@@ -110,3 +110,18 @@ def test_a_resumed_offline_run_names_every_folder_to_sync(env, tmp_path):
     assert len(folders) == 2 and len({f.name.rpartition("-")[2] for f in folders}) == 1  # one run id
     (sync,) = [line.partition("upload it with: ")[2] for line in second.stdout.splitlines() if "wandb sync" in line]
     assert shlex.split(sync) == ["wandb", "sync", *map(str, folders)]
+
+
+def test_a_wandb_server_out_of_reach_means_an_offline_record_not_a_stopped_run(env, tmp_path):
+    """A key but no way to W&B's server (here a closed port on this machine): one line, and the run
+    trains to its end with its W&B record offline, ready for `wandb sync`."""
+    env = {**env, "WANDB_MODE": "online", "WANDB_API_KEY": "local-" + "0" * 34, "WANDB_INIT_TIMEOUT": "3",
+           "WANDB_BASE_URL": f"http://127.0.0.1:{free_port()}", "HOME": str(tmp_path)}
+    run = run_entry(ENTRIES[0], 1, tmp_path / "out", env, {"report_to": "wandb", "micro_batch_size": 2,
+                                                            "global_batch_size": 16, "max_steps": 2})
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    notes = [line for line in run.stdout.splitlines() if line.startswith("note: W&B cannot reach its server (")]
+    assert len(notes) == 1 and notes[0].endswith("); this run logs offline instead"), run.stdout[-3000:]
+    assert [r["step"] for r in run.steps] == [1, 2]
+    assert len(list(Path(env["WANDB_DIR"]).rglob("offline-run-*/*.wandb"))) == 1
+    assert any(line.startswith("W&B run saved offline in ") for line in run.stdout.splitlines())

@@ -20,7 +20,7 @@ from .batch import BatchPlan
 from .checkpoint import after_a_failed_write
 from .config import TrainConfig
 from .distributed import DistEnv, print0
-from .errors import ConfigError, JobFailed
+from .errors import ConfigError, JobFailed, first_line
 
 TRAIN_KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
               "grad_sync_calls": "train/grad_sync_calls", "mfu": "train/mfu",
@@ -260,13 +260,25 @@ def wandb_settings(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: boo
 
 
 def _init_wandb(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool, accelerator):
+    """The W&B run; where W&B cannot reach its server (no network, a firewall), the run logs
+    offline instead, with one line: training does not stop for its record."""
+    import wandb
+
     run_config, init = wandb_settings(cfg, env, plan, resumed)
+    try:
+        run = _start_wandb(cfg, run_config, init, accelerator)
+    except wandb.errors.CommError as err:
+        print0(f"note: W&B cannot reach its server ({first_line(err)}); this run logs offline instead")
+        run = _start_wandb(cfg, run_config, {**init, "mode": "offline"}, accelerator)
+    (Path(cfg.output_dir) / "wandb_run_id").write_text(run.id)
+    return run
+
+
+def _start_wandb(cfg: TrainConfig, run_config: dict, init: dict, accelerator):
     if accelerator is None:
         import wandb
 
-        run = wandb.init(project=cfg.wandb_project, config=run_config, **init)
-    else:  # through Accelerate's tracker (Accelerator(log_with="wandb"))
-        accelerator.init_trackers(cfg.wandb_project, config=run_config, init_kwargs={"wandb": init})
-        run = accelerator.get_tracker("wandb", unwrap=True)
-    (Path(cfg.output_dir) / "wandb_run_id").write_text(run.id)
-    return run
+        return wandb.init(project=cfg.wandb_project, config=run_config, **init)
+    # through Accelerate's tracker (Accelerator(log_with="wandb"))
+    accelerator.init_trackers(cfg.wandb_project, config=run_config, init_kwargs={"wandb": init})
+    return accelerator.get_tracker("wandb", unwrap=True)
