@@ -96,6 +96,8 @@ def test_bad_config_files(tmp_path, text, message):
 @pytest.mark.parametrize("argv,message", [
     (["--max_stepz", "3"], "unknown flag(s) ['--max_stepz', '3']"),
     (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["--seed", "-1"], "seed must be a whole number from 0 to 4294967295, got -1"),
+    (["--seed", str(2**32)], "seed must be a whole number from 0 to 4294967295, got 4294967296"),
     (["--optimizer", "lion"], "invalid choice: 'lion'"),
     (["--warmup_steps", "-1"], "warmup_steps must be >= 0, got -1"),
     (["--config", "missing.yaml"], "config file missing.yaml not found"),

@@ -167,6 +167,8 @@ class TrainConfig:
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**32:  # numpy's seeds
+            raise ConfigError(f"seed must be a whole number from 0 to {2**32 - 1}, got {self.seed}")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"max_steps must be -1 (train num_epochs) or >= 1, got {self.max_steps}")
         if not self.learning_rate > 0:
