@@ -109,7 +109,9 @@ def test_the_workflows_commands_pass_in_a_bake(baked, tmp_path):
     for command in workflow_steps(workflow["jobs"]["fast"])[1:]:
         proc = subprocess.run(command, shell=True, cwd=project, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, f"{command}:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
-        report(f"CI step `{command}` in a bake: {proc.stdout.strip().splitlines()[-1]}")
+        lines = [line for line in proc.stdout.splitlines() if line.strip() and not line.startswith("make[")] or [""]
+        said = next((line for line in reversed(lines) if " passed" in line), lines[-1])  # pytest's summary
+        report(f"CI step `{command}` in a bake: {said}")
     unit = subprocess.run("make test-unit", shell=True, cwd=project, env=env, capture_output=True, text=True,
                           timeout=300)
     summary = next((line for line in reversed(unit.stdout.splitlines()) if " passed" in line), "")
