@@ -66,10 +66,9 @@ GENERATED_SUITE_TIMEOUT_S = 3600  # the default bake's slow tier: about 25 minut
 # bake, the default answers), and the parity tests run again on the other, for its loss (the mean
 # over examples), in the 1x1 and 2x4 cells (2x4 holds both data parallelism and accumulation; 1x4
 # and 2x1 are the default bake's), less what does not depend on the task: two torchrun agents,
-# sync counts, the lr of every cell, and the packed cells (causal_lm's). In pytest-xdist workers,
-# as the project's Makefile runs its tests: the slow tier in 3 (`make test-all TEST_WORKERS=3`), as
-# its longest module alone (test_resume.py) takes a quarter of it and many tests wait on processes.
-TASK_SUITES = {"causal_lm": ["-n", "3", "--dist", "loadfile", "-m", "slow"],
+# sync counts, the lr of every cell, and the packed cells (causal_lm's). Both in 2 pytest-xdist
+# workers, as the project's Makefile runs its tests.
+TASK_SUITES = {"causal_lm": ["-n", "2", "--dist", "loadfile", "-m", "slow"],
                "sequence_classification": ["-n", "2", "tests/test_parity.py", "-k", "not two_torchrun_agents and not "
                                            "ddp_syncs and not learning_rate and not packed and not 1x4 and not 2x1"]}
 # The longest of them mostly waits on a few processes: it starts as soon as the tests are collected
