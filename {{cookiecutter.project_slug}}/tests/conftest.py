@@ -202,17 +202,23 @@ def flag_args(flags: dict | None = None) -> list[str]:
 
 def run_entry(entry: str, nproc: int, output_dir: Path, env: dict, flags: dict | None = None,
               extra: list[str] | None = None) -> Run:
-    """The entry point on `nproc` processes: under torchrun for more than one (its exit code and
-    report of a failed worker are torchrun's), else as `python -m` runs it (forked_run)."""
+    """The entry point on `nproc` processes (launch_entry: for more than one, the exit code and
+    report of a failed worker are torchrun's)."""
     if 0 < GPUS < nproc:
         pytest.skip(f"{nproc} processes need {nproc} GPUs (nccl: one process per GPU); this machine has {GPUS}")
     args = flag_args(flags) + ["--output_dir", str(output_dir)] + (extra or [])
-    if nproc == 1 and output_dir.parent.is_dir():  # the output beside the run's folder
-        proc = forked_run(entry, 1, args, env, output_dir.parent / f"{output_dir.name}.log")
-    else:
-        proc = subprocess.run(launch_cmd(entry, nproc) + args, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=LAUNCH_TIMEOUT_S)
+    proc = launch_entry(entry, nproc, args, env, output_dir.parent / f"{output_dir.name}.log")
     return Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
+
+
+def launch_entry(entry: str, nproc: int, args: list[str], env: dict, logs: Path,
+                 timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """The entry point with `args`: under torchrun for more than one process, else as `python -m`
+    runs it (forked_run, its output also in `logs`.stdout and .stderr where that folder exists)."""
+    if nproc == 1 and logs.parent.is_dir():
+        return forked_run(entry, 1, args, env, logs, timeout)
+    return subprocess.run(launch_cmd(entry, nproc) + args, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 # Fork servers (fork_launcher.py) by entry point and environment (but W&B's variables, which only
@@ -222,7 +228,8 @@ LAUNCHERS: dict[tuple, ForkLauncher] = {}
 KEPT_LAUNCHERS = 4
 
 
-def forked_run(entry: str, nproc: int, args: list[str], env: dict, logs: Path) -> subprocess.CompletedProcess:
+def forked_run(entry: str, nproc: int, args: list[str], env: dict, logs: Path,
+               timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
     """The entry point with `args` on `nproc` processes, as `python -m` or torchrun would start it,
     forked from a process that imported it in `env` (fork_launcher.py); its output also in
     `logs`.stdout and .stderr. Under torchrun where there are GPUs (a process that may have touched
@@ -231,13 +238,13 @@ def forked_run(entry: str, nproc: int, args: list[str], env: dict, logs: Path) -
     succeed (the exit code and report of a failed worker are torchrun's own)."""
     if GPUS or "--compile" in args and args[args.index("--compile") + 1] == "true":
         return subprocess.run(launch_cmd(entry, nproc) + args, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=LAUNCH_TIMEOUT_S)
+                              timeout=timeout)
     module = f"{SLUG}.train_{entry}"
     key = (module, tuple(sorted((k, v) for k, v in env.items() if not k.startswith("WANDB_"))))
     LAUNCHERS[key] = LAUNCHERS.pop(key, None) or ForkLauncher([module], env, ROOT)
     while len(LAUNCHERS) > KEPT_LAUNCHERS:
         LAUNCHERS.pop(next(iter(LAUNCHERS))).close()
-    return LAUNCHERS[key].run(module, args, nproc, {**env, "MASTER_PORT": str(free_port())}, logs, LAUNCH_TIMEOUT_S)
+    return LAUNCHERS[key].run(module, args, nproc, {**env, "MASTER_PORT": str(free_port())}, logs, timeout)
 
 
 def successful_run(entry: str, nproc: int, out: Path, env: dict, flags: dict | None = None) -> Run:

@@ -4,25 +4,20 @@ workers with its own code (1) and each worker's line appears in its output."""
 
 import os
 import signal
-import subprocess
 import time
 
 import pytest
 
 from {{ cookiecutter.project_slug }}.errors import Interrupted, interruptible
 
-from conftest import ENTRIES, ROOT, error_lines, forked_run, launch_cmd, worker_error_lines
+from conftest import ENTRIES, error_lines, launch_entry, worker_error_lines
 
 
 def launch(entry, nproc, args, env, tmp_path):
-    """Under torchrun for more than one process, else as `python -m` runs it (forked_run)."""
     args = ["--report_to", "none", "--max_steps", "2", *args]
     if "--output_dir" not in args:
         args += ["--output_dir", str(tmp_path / "out")]
-    if nproc == 1:
-        return forked_run(entry, 1, args, env, tmp_path / "launch")
-    return subprocess.run(launch_cmd(entry, nproc) + args, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=180)
+    return launch_entry(entry, nproc, args, env, tmp_path / "launch", timeout=180)
 
 
 def bad_inputs(tmp_path):

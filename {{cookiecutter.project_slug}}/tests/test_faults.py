@@ -194,8 +194,8 @@ def test_a_full_disk_under_metrics_jsonl_stops_the_job_with_one_line_and_leaves_
     with pytest.raises(JobFailed) as err:
         append_line(path, '{"step": 2, "loss": 0.5}')
     monkeypatch.undo()
-    assert str(err.value) == (f"could not write {path} (No space left on device); no checkpoint was completed before "
-                              "it: free space and start the run again")
+    assert str(err.value) == (f"could not write {path} (No space left on device); no checkpoint was completed before: "
+                              "free space and start the run again")
     assert path.read_text() == '{"step": 1, "loss": 1.0}\n'  # strict JSON lines still
     (tmp_path / "checkpoints" / "step_4").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_4" / STATE_FILE).write_text("{}")

@@ -56,11 +56,8 @@ def newest_checkpoint(output_dir: str) -> str:
 
 def after_a_failed_write(output_dir: str) -> str:
     """What a job that a failed write (a full disk) stopped says to do next."""
-    found = complete_checkpoints(output_dir)
-    if found:
-        return (f"the newest complete checkpoint is {found[-1]}: free space and resume it with "
-                "--resume_from_checkpoint auto")
-    return "no checkpoint was completed before it: free space and start the run again"
+    then = "resume it with --resume_from_checkpoint auto" if complete_checkpoints(output_dir) else "start the run again"
+    return f"{newest_checkpoint(output_dir)}: free space and {then}"
 
 
 def library_versions() -> dict[str, str]:

@@ -2,7 +2,6 @@
 
 import contextlib
 import errno
-import os
 import signal
 
 
@@ -57,16 +56,10 @@ class Interrupted(BaseException):
 @contextlib.contextmanager
 def interruptible(doing: str):
     """Within the block SIGINT and SIGTERM raise Interrupted (once: a second signal does not cut the
-    clean-up short); whatever a library turns the first into on its way out, Interrupted comes out.
-    Child processes forked inside the block ignore SIGINT and end quietly on SIGTERM: their parent
-    answers for them."""
-    owner, got = os.getpid(), []
+    clean-up short); whatever a library turns the first into on its way out, Interrupted comes out."""
+    got = []
 
     def handle(signum, frame):
-        if os.getpid() != owner:
-            if signum == signal.SIGTERM:
-                os._exit(128 + signum)
-            return
         if not got:
             got.append(signum)
             raise Interrupted(signum, doing)

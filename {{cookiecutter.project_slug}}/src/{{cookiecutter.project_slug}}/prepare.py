@@ -58,7 +58,8 @@ def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig, work: Path) -> Datas
 def children_end_with_this_process():
     """The processes forked within the block (tokenising workers, the pool's manager) end when this
     one does, also when it is killed with SIGKILL: Linux's parent-death signal, asked for in each
-    child as it starts (elsewhere, only the pool's own clean-up)."""
+    child as it starts (elsewhere, only the pool's own clean-up). They leave Ctrl-C to this process
+    and end quietly on SIGTERM, which the pool's clean-up sends: this one answers for them."""
     global _PARENT
     _PARENT = os.getpid()
     try:
@@ -72,6 +73,8 @@ def _end_with_parent() -> None:
     parent, _PARENT = _PARENT, None  # a child's own children are its business
     if parent is None:
         return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the signal was asked for

@@ -255,15 +255,23 @@ def _read_file(path: Path, builder: str, cache_dir: str | None):
         raise ConfigError(f"dataset file {path} cannot be read: {first_line(cause)}") from None
 
 
-def _first_bad_utf8(path: Path) -> None:
-    """Raise for the first line of `path` that is not UTF-8 (the error path only)."""
-    raw = path.read_bytes()
+def _not_utf8(raw: bytes) -> tuple[int, str] | None:
+    """Where `raw` stops being UTF-8 and how it reads there ("byte 0xe9 after b'caf'"); None if it is."""
     try:
         raw.decode()
     except UnicodeDecodeError as bad:
-        near, line = raw[max(0, bad.start - 20):bad.start].rpartition(b"\n")[2], raw.count(b"\n", 0, bad.start) + 1
-        raise ConfigError(f"dataset file {path} line {line} is not UTF-8 text (byte "
-                          f"0x{raw[bad.start]:02x} after {near!r}); save the file as UTF-8") from None
+        near = raw[max(0, bad.start - 20):bad.start].rpartition(b"\n")[2]
+        return bad.start, f"byte 0x{raw[bad.start]:02x} after {near!r}"
+    return None
+
+
+def _first_bad_utf8(path: Path) -> None:
+    """Raise for the first line of `path` that is not UTF-8 (the error path only)."""
+    raw = path.read_bytes()
+    if (bad := _not_utf8(raw)) is not None:
+        offset, reads = bad
+        line = raw.count(b"\n", 0, offset) + 1
+        raise ConfigError(f"dataset file {path} line {line} is not UTF-8 text ({reads}); save the file as UTF-8")
 
 
 def _value_type(feature) -> str:
@@ -310,12 +318,8 @@ def _check_utf8(column, where: str) -> None:
                 raise
             index = int(found[1])
             raw = chunk.view(pa.large_binary() if pa.types.is_large_string(chunk.type) else pa.binary())[index]
-            try:
-                raw.as_py().decode()
-            except UnicodeDecodeError as bad:
-                near = bad.object[max(0, bad.start - 20):bad.start]
-                raise ConfigError(f"dataset {where} example {before + index + 1} is not UTF-8 text (byte "
-                                  f"0x{bad.object[bad.start]:02x} after {near!r}); save the file as UTF-8") from None
+            raise ConfigError(f"dataset {where} example {before + index + 1} is not UTF-8 text "
+                              f"({_not_utf8(raw.as_py())[1]}); save the file as UTF-8") from None
         before += len(chunk)
 
 
