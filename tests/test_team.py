@@ -2,16 +2,22 @@
 linter, its commands run in a bake), offline pre-commit hooks that pass on a fresh bake and refuse
 keys, run folders and large files, the experiment overlays, and template updates through cruft."""
 
+import ast
+import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import TEMPLATE, report
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 BIN = Path(sys.executable).parent
 INSTALL = 'make install TORCH="torch --index-url https://download.pytorch.org/whl/cpu"'
@@ -117,6 +123,51 @@ def test_the_workflows_commands_pass_in_a_bake(baked, tmp_path):
     summary = next((line for line in reversed(unit.stdout.splitlines()) if " passed" in line), "")
     report(f"`make test-unit` in a bake: {summary.strip('= ')}")
     assert unit.returncode == 0 and "deselected" in summary and "failed" not in summary, unit.stdout[-4000:]
+
+
+def installed_by_make_install(project: Path) -> set[str]:
+    """The distributions `make install` puts in .venv: torch, the project's dependencies and the
+    extras its recipe names, with everything they require (as this environment resolves them)."""
+    extras = re.search(r"pip install --quiet -e '\.\[([a-z,]+)\]'", (project / "Makefile").read_text()).group(1)
+    meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    wanted = ["torch", *meta["dependencies"], *(r for e in extras.split(",") for r in meta["optional-dependencies"][e])]
+    installed: set[str] = set()
+    while wanted:
+        requirement = Requirement(wanted.pop())
+        name = canonicalize_name(requirement.name)
+        if name in installed or (requirement.marker and not requirement.marker.evaluate({"extra": ""})):
+            continue
+        installed.add(name)
+        wanted += importlib.metadata.requires(name) or []
+    return installed
+
+
+def third_party_imports(project: Path) -> set[str]:
+    """Every top-level module the project's code, tests and benchmarks import that is neither the
+    standard library nor the project's own."""
+    files = [p for p in project.rglob("*.py") if ".venv" not in p.parts]
+    local = {project.name, *(p.stem for p in files), *(p.parent.name for p in files)}
+    modules = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules |= {alias.name.partition(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules.add(node.module.partition(".")[0])
+    return modules - local - set(sys.stdlib_module_names)
+
+
+@pytest.mark.parametrize("answers", [{}, {"entry_points": "pytorch"}, {"entry_points": "trainer"},
+                                     {"deepspeed_stage": "none"}], ids=lambda a: ",".join(a.values()) or "default")
+def test_make_install_installs_every_module_the_project_imports(baked, answers):
+    """CI runs `make install` and then the tests: a module they import that no requirement names
+    would pass here (this environment has everything) and fail on a fresh machine."""
+    project = baked(**answers)
+    installed = installed_by_make_install(project)
+    providers = importlib.metadata.packages_distributions()
+    missing = {module: providers.get(module) for module in third_party_imports(project)
+               if not installed & {canonicalize_name(d) for d in providers.get(module, [])}}
+    assert missing == {}
 
 
 def test_pre_commit_passes_on_a_fresh_bake_and_refuses_keys_runs_and_large_files(baked, tmp_path):

@@ -37,6 +37,8 @@ def test_accelerate_config_loads(path):
         ds_file = ROOT / config.deepspeed_config["deepspeed_config_file"]
         assert ds_file.name == f"zero{stage}.json" and ds_file.is_file()
 
+{%- if cookiecutter.deepspeed_stage != 'none' %}
+
 
 @pytest.mark.parametrize("path", DEEPSPEED, ids=lambda p: p.stem)
 def test_deepspeed_accumulates_gradients_in_fp32(path, monkeypatch):
@@ -53,6 +55,7 @@ def test_deepspeed_accumulates_gradients_in_fp32(path, monkeypatch):
     filled = deepspeed_config(cfg, plan_batches(16, 2, 1), str(path))
     parsed = DeepSpeedConfig(filled)
     assert (parsed.grad_accum_dtype, filled["bf16"]["enabled"]) == ("fp32", True)
+{%- endif %}
 
 
 @pytest.mark.slow
