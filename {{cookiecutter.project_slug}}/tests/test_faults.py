@@ -7,7 +7,9 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,6 +126,82 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(runs, ent
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming after step 2" in resumed.stdout
     assert_same_training(resumed, runs(entry, 2, **ACCUM))
+
+
+def full_under(*roots: Path):
+    """A write of a model file: under `roots` it fails with the kernel's ENOSPC (/dev/full), elsewhere it writes."""
+    def write(folder: Path) -> None:
+        with open("/dev/full" if set(roots) & set(folder.parents) else folder / "model.safetensors", "wb") as f:
+            f.write(b"weights" * 1000)
+    return write
+
+
+def test_a_finished_model_that_output_dir_has_no_room_for_is_kept_elsewhere(tmp_path, monkeypatch):
+    from {{ cookiecutter.project_slug }}.checkpoint import resume_point, room_elsewhere, write_final
+    from {{ cookiecutter.project_slug }}.config import load_config
+    from {{ cookiecutter.project_slug }}.distributed import dist_env
+
+    out = tmp_path / "out"
+    cfg, env = load_config(["--output_dir", str(out)]), dist_env()
+    kept = room_elsewhere(str(out))
+    assert kept is not None and kept.parent.stat().st_dev != tmp_path.stat().st_dev, kept
+    try:
+        with pytest.raises(JobFailed) as failed:
+            write_final(cfg, env, full_under(out), {"step": 4})
+        assert str(failed.value) == (f"could not write {out / 'final_model'} (OSError: [Errno 28] No space left on "
+                                     f"device); the trained model is kept in {kept}: free space, then move it there "
+                                     f"(mv {kept} {out / 'final_model'})")
+        assert not (out / ".tmp_final_model").exists() and not (out / "final_model").exists()
+        shutil.move(kept, out / "final_model")
+        assert (out / "final_model" / "model.safetensors").read_bytes() == b"weights" * 1000
+        assert resume_point(load_config(["--output_dir", str(out), "--resume_from_checkpoint", "auto"])) == \
+            out / "final_model"  # a finished run
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
+    lost = "no checkpoint was completed before: free space and start the run again"
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # no other writable file system
+    with pytest.raises(JobFailed, match=re.escape(f"could not write final_model (OSError: [Errno 28] No space left "
+                                                  f"on device); {lost}")):
+        write_final(cfg, env, full_under(out), {"step": 4})
+    monkeypatch.undo()
+    with pytest.raises(JobFailed, match=re.escape(f"could not write final_model (OSError: [Errno 28] No space left "
+                                                  f"on device); {lost}")):  # no room there either
+        write_final(cfg, env, full_under(out, kept.parent), {"step": 4})
+    assert not kept.exists() and not kept.with_name(f".tmp_{kept.name}").exists()
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_the_final_model_keeps_the_trained_weights_elsewhere(runs, tmp_path):
+    """The finished model, which the disk had no room for after the checkpoint of step 2, is not
+    lost: it is kept on another file system, and moved into final_model/ it is the finished run."""
+    entry, out = ENTRIES[0], tmp_path / "out"
+    flags = {**ACCUM, "save_steps": 2}
+    proc = run_with_publish_hook(entry, f"""
+        done = publish(cfg, env, written, final, state)
+        import errno, transformers.modeling_utils as saving
+        save = saving.safe_save_file
+        def full_under_output_dir(tensors, filename, **kwargs):  # the disk of output_dir fills after step 2
+            if filename.startswith({str(out)!r}):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            save(tensors, filename, **kwargs)
+        saving.safe_save_file = full_under_output_dir
+        return done""", flags, out, runs.env)
+    kept = re.search(r"the trained model is kept in (\S+): free space, then move it there \(mv \S+ (\S+)\)",
+                     proc.stderr)
+    assert proc.returncode == 1 and kept and kept[2] == str(out / "final_model"), proc.stderr[-3000:]
+    lines = error_lines(proc.stderr)  # one per process: the other's reason is "1 other process(es) failed"
+    assert len(lines) == 2 and all(line.endswith(kept[0]) for line in lines), lines
+    assert not re.search(r"\[rank\d\]: Traceback", proc.stderr)
+    try:
+        shutil.move(kept[1], out / "final_model")
+    finally:
+        shutil.rmtree(kept[1], ignore_errors=True)
+    straight = runs(entry, 2, **ACCUM)
+    weights, expected = (load_file(d / "final_model" / "model.safetensors") for d in (out, straight.output_dir))
+    assert max_abs_diff(weights, expected) == 0
+    again = runs.run(entry, 2, out, {**flags, "resume_from_checkpoint": "auto"})
+    assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == (
+        f"already done at step {ACCUM['max_steps']}: {out / 'final_model'} (nothing changed)"), again.stderr[-3000:]
 
 
 @pytest.mark.slow

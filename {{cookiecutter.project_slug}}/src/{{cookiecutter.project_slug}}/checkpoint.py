@@ -6,10 +6,13 @@ size of every file); a resume compares that config and checks the files (checkpo
 up front. docs/guarantees.md tells the story.
 """
 
+import hashlib
 import json
+import os
 import random
 import shlex
 import shutil
+import tempfile
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -241,6 +244,14 @@ def load_rng(path: Path, rank: int) -> None:
     set_rng_state(torch.load(own if own.is_file() else path / "rng_rank0.pt", weights_only=True))
 
 
+class WriteFailed(JobFailed):
+    """A folder that some process could not write (a full disk): every process raises it together."""
+
+    def __init__(self, what: str, reason: str, output_dir: str):
+        super().__init__(f"could not write {what} ({reason}); {after_a_failed_write(output_dir)}", agreed=True)
+        self.what, self.reason = what, reason
+
+
 def _attempt(env: DistEnv, output_dir: str, what: str, action: Callable[[], None]) -> None:
     """Run `action` on every process; if it failed on any of them, every process learns it and all
     stop together, with one line each, before any of them waits on the others again."""
@@ -252,7 +263,7 @@ def _attempt(env: DistEnv, output_dir: str, what: str, action: Callable[[], None
     failed = ranks_with(error is not None, env.device)
     if failed:
         reason = f"{type(error).__name__}: {first_line(error)}" if error else f"{failed} other process(es) failed"
-        raise JobFailed(f"could not write {what} ({reason}); {after_a_failed_write(output_dir)}", agreed=True)
+        raise WriteFailed(what, reason, output_dir)
 
 
 def write_atomically(cfg: TrainConfig, env: DistEnv, final: Path, write: Callable[[Path], None],
@@ -275,6 +286,36 @@ def write_atomically(cfg: TrainConfig, env: DistEnv, final: Path, write: Callabl
         if env.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_final(cfg: TrainConfig, env: DistEnv, write: Callable[[Path], None], state: dict) -> None:
+    """final_model/, as write_atomically writes it. Where output_dir has no room for it, the trained
+    model is kept whole (state.json too) in a folder on another file system, and the one line
+    says where: moved to final_model/, it makes the run finished."""
+    final = final_dir(cfg.output_dir)
+    try:
+        write_atomically(cfg, env, final, write, state)
+    except WriteFailed as failed:
+        elsewhere = room_elsewhere(cfg.output_dir)
+        if ranks_with(elsewhere is None, env.device):
+            raise
+        try:
+            kept = write_atomically(cfg, env, elsewhere, write, state)
+        except WriteFailed:
+            raise failed from None
+        raise JobFailed(f"could not write {final} ({failed.reason}); the trained model is kept in {kept}: free "
+                        f"space, then move it there (mv {kept} {final})", agreed=True) from None
+
+
+def room_elsewhere(output_dir: str) -> Path | None:
+    """A folder for a finished model that output_dir's file system has no room for: in the first
+    of the temporary folder, home and /dev/shm that is writable on another file system."""
+    out = Path(output_dir).resolve()
+    device = os.stat(next(p for p in (out, *out.parents) if p.exists())).st_dev
+    for base in (Path(tempfile.gettempdir()), Path.home(), Path("/dev/shm")):
+        if base.is_dir() and os.access(base, os.W_OK) and base.stat().st_dev != device:
+            return base / f"{out.name}-{hashlib.sha256(str(out).encode()).hexdigest()[:8]}-{FINAL_DIR}"
+    return None
 
 
 def publish(cfg: TrainConfig, env: DistEnv, written: Path, final: Path, state: dict) -> Path:

@@ -15,7 +15,15 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
-from .checkpoint import checkpoints_dir, final_dir, newest_checkpoint, rng_state, set_rng_state, write_atomically
+from .checkpoint import (
+    checkpoints_dir,
+    final_dir,
+    newest_checkpoint,
+    rng_state,
+    set_rng_state,
+    write_atomically,
+    write_final,
+)
 from .data import Collator, eval_dataloader, loading, train_dataloader
 from .distributed import print0
 from .errors import JobFailed
@@ -210,7 +218,7 @@ class Session:
 
     def save_final(self, write) -> None:
         """final_model/, written by `write(folder)` on every process, atomically: the run is finished."""
-        write_atomically(self.cfg, self.env, final_dir(self.cfg.output_dir), write, self.state(self.step))
+        write_final(self.cfg, self.env, write, self.state(self.step))
 
     def save_model(self, model) -> None:
         """final_model/ from a whole (unwrapped, unsharded) model: save_pretrained plus the tokenizer."""
