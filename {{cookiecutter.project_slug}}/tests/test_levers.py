@@ -2,6 +2,8 @@
 checkpointing, the optimizers and schedules, FSDP, and the micro batch found from memory
 (`--micro_batch_size auto`). README, "Memory levers"."""
 
+import subprocess
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from conftest import (
     TOL,
     accelerate_launch,
     flag_args,
+    launch_cmd,
     max_abs_diff,
     max_loss_diff,
     report,
@@ -158,6 +161,51 @@ def test_fsdp_trains_like_ddp(runs, tmp_path):
     diff = max_abs_diff(fsdp.params(), ddp.params())
     report(f"FSDP vs DDP (2 GPUs x accumulation 4): max |param diff| {diff:.3g}")
     assert diff <= TOL.param
+
+
+FSDP2_NORM = """
+import copy, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from {{ cookiecutter.project_slug }}.distributed import full_norm
+from {{ cookiecutter.project_slug }}.windows import step_values
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
+whole = copy.deepcopy(model)
+fully_shard(model)
+x = torch.randn(8, 16)  # the same batch on both ranks: the averaged gradients are the whole model's
+model(x).sum().backward()
+whole(x).sum().backward()
+expected = torch.nn.utils.get_total_norm([p.grad for p in whole.parameters()]).item()
+local = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+clipped = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+assert isinstance(clipped, DTensor) and isinstance(local, DTensor)
+record = step_values(torch.tensor(3.0), clipped, 4.0, 0.1, 1)["grad_norm"]
+shards = torch.nn.utils.get_total_norm([p.grad.to_local() for p in model.parameters()]).item()
+print(dist.get_rank(), record, full_norm(local).item(), shards, expected, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_gradient_norms_are_the_whole_models(env, tmp_path):
+    """Under FSDP2 a gradient norm is a DTensor, which `.tolist()` refuses: the record's grad_norm,
+    and the norm the Trainer's callback reads (full_norm), are the whole model's, not a shard's."""
+    script = tmp_path / "fsdp2_norm.py"
+    script.write_text(FSDP2_NORM)
+    cmd = launch_cmd(ENTRIES[0], 2)
+    cmd[-2:] = [str(script)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = sorted(line.split() for line in proc.stdout.splitlines() if line[:1] in "01")
+    assert [row[0] for row in rows] == ["0", "1"], proc.stdout
+    for _, record, callback, shard, expected in rows:
+        assert abs(float(record) - float(expected)) <= 1e-6 * float(expected)
+        assert abs(float(callback) - float(expected)) <= 1e-6 * float(expected)
+        assert float(shard) < float(expected) * (1 - 1e-3)  # this rank's shards' norm alone would be wrong
+    report(f"FSDP2 gradient norm on 2 ranks: record {rows[0][1]}, whole model {rows[0][4]}, "
+           f"shard alone {rows[0][3]} / {rows[1][3]}")
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -183,6 +184,13 @@ class PreemptionSignal:
 def ranks_with(flag: bool, device: torch.device) -> int:
     """On every rank: how many ranks have `flag` set (one tiny all-reduce; 0 or 1 for one process)."""
     return int(all_reduce_sum(torch.tensor(float(flag), device=device)).item())
+
+
+def full_norm(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm as a plain tensor. Under FSDP2 the gradients are sharded DTensors and so is
+    their norm, which `.tolist()` and a `torch.stack` with plain tensors refuse; its full tensor is
+    the whole model's norm (the norm of this rank's shards alone is a part of it)."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

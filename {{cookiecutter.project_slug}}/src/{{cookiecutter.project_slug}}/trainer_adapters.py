@@ -13,7 +13,7 @@ from transformers import PrinterCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .checkpoint import checkpoints_dir, publish
-from .distributed import all_reduce_sum, sync_counter_for
+from .distributed import all_reduce_sum, full_norm, sync_counter_for
 from .evaluation import classification_metrics, confusion_matrix
 from .model import count_targets, summed_loss
 from .optim import build_optimizer, build_scheduler
@@ -119,7 +119,7 @@ class RunRecorder(TrainerCallback):
         # one host sync per optimizer step: the window's loss (all ranks) and the clipped gradients' norm
         window_sum, micro_steps, num_targets = self.loss.take()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        norm = full_norm(torch.nn.utils.get_total_norm(grads)) if grads else torch.zeros(())
         loss_total, norm = torch.stack([all_reduce_sum(window_sum.to(args.device)),
                                         norm.to(args.device, torch.float64)]).tolist()
         self.values = {"loss": loss_total / max(num_targets, 1), "lr": optimizer.param_groups[0]["lr"],

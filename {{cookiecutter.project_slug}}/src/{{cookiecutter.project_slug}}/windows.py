@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .batch import BatchPlan, largest_divisor
-from .distributed import DistEnv, all_reduce_sum, ranks_with
+from .distributed import DistEnv, all_reduce_sum, full_norm, ranks_with
 from .errors import JobFailed, first_line
 from .model import count_targets
 
@@ -161,7 +161,7 @@ def step_values(loss_sum: torch.Tensor, grad_norm, num_targets: float, lr: float
     and the gradient norm, read together. A step whose loss or gradient norm is not finite is
     skipped on every rank alike (`finite`): both numbers are the same everywhere."""
     loss_total, norm = torch.stack([all_reduce_sum(loss_sum), torch.as_tensor(
-        grad_norm, dtype=torch.float64, device=loss_sum.device)]).tolist()
+        full_norm(grad_norm), dtype=torch.float64, device=loss_sum.device)]).tolist()
     return {"loss": loss_total / num_targets, "lr": lr, "grad_norm": norm, "tokens": int(num_targets),
             "micro_steps": micro_steps}
 
