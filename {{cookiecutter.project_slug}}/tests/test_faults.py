@@ -149,8 +149,8 @@ def test_a_finished_model_that_output_dir_has_no_room_for_is_kept_elsewhere(tmp_
         with pytest.raises(JobFailed) as failed:
             write_final(cfg, env, full_under(out), {"step": 4})
         assert str(failed.value) == (f"could not write {out / 'final_model'} (OSError: [Errno 28] No space left on "
-                                     f"device); the trained model is kept in {kept}: free space, then move it there "
-                                     f"(mv {kept} {out / 'final_model'})")
+                                     f"device); the trained model is kept in {kept}: move it there once output_dir "
+                                     f"can hold it (mv {kept} {out / 'final_model'})")
         assert not (out / ".tmp_final_model").exists() and not (out / "final_model").exists()
         shutil.move(kept, out / "final_model")
         assert (out / "final_model" / "model.safetensors").read_bytes() == b"weights" * 1000
@@ -186,7 +186,7 @@ def test_a_full_disk_under_the_final_model_keeps_the_trained_weights_elsewhere(r
             save(tensors, filename, **kwargs)
         saving.safe_save_file = full_under_output_dir
         return done""", flags, out, runs.env)
-    kept = re.search(r"the trained model is kept in (\S+): free space, then move it there \(mv \S+ (\S+)\)",
+    kept = re.search(r"the trained model is kept in (\S+): move it there once output_dir can hold it \(mv \S+ (\S+)\)",
                      proc.stderr)
     assert proc.returncode == 1 and kept and kept[2] == str(out / "final_model"), proc.stderr[-3000:]
     lines = error_lines(proc.stderr)  # one per process: the other's reason is "1 other process(es) failed"

@@ -245,11 +245,11 @@ def load_rng(path: Path, rank: int) -> None:
 
 
 class WriteFailed(JobFailed):
-    """A folder that some process could not write (a full disk): every process raises it together."""
+    """A folder that some process could not write (a full disk), and why: every process raises it together."""
 
     def __init__(self, what: str, reason: str, output_dir: str):
         super().__init__(f"could not write {what} ({reason}); {after_a_failed_write(output_dir)}", agreed=True)
-        self.what, self.reason = what, reason
+        self.reason = reason
 
 
 def _attempt(env: DistEnv, output_dir: str, what: str, action: Callable[[], None]) -> None:
@@ -303,8 +303,8 @@ def write_final(cfg: TrainConfig, env: DistEnv, write: Callable[[Path], None], s
             kept = write_atomically(cfg, env, elsewhere, write, state)
         except WriteFailed:
             raise failed from None
-        raise JobFailed(f"could not write {final} ({failed.reason}); the trained model is kept in {kept}: free "
-                        f"space, then move it there (mv {kept} {final})", agreed=True) from None
+        raise JobFailed(f"could not write {final} ({failed.reason}); the trained model is kept in {kept}: move it "
+                        f"there once output_dir can hold it (mv {kept} {final})", agreed=True) from None
 
 
 def room_elsewhere(output_dir: str) -> Path | None:
