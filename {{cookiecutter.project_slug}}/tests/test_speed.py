@@ -2,12 +2,23 @@
 per bucket per optimizer step, and compiles once (no_sync() toggling, padded lengths, a short
 last window and a filler micro-batch recompile nothing); and the MFU every record carries."""
 
+import numpy as np
 import pytest
 import torch
 
+from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
-from {{ cookiecutter.project_slug }}.speed import PEAK_TFLOPS, flops_per_token, peak_flops, peak_tflops_for
+from {{ cookiecutter.project_slug }}.prepare import prepare
+from {{ cookiecutter.project_slug }}.speed import (
+    PEAK_TFLOPS,
+    flop_counts,
+    flops_per_token,
+    peak_flops,
+    peak_tflops_for,
+    training_flops,
+)
+from {{ cookiecutter.project_slug }}.windows import WindowSampler
 
 from conftest import (
     ACCUM,
@@ -16,6 +27,7 @@ from conftest import (
     TASK,
     TOL,
     cell,
+    flag_args,
     max_abs_diff,
     max_loss_diff,
     report,
@@ -110,18 +122,39 @@ def test_the_peak_table_matches_whole_device_names(name, precision, tflops):
     assert peak_tflops_for(name, precision) == tflops
 
 
+def test_attention_flops_grow_with_each_sequences_own_length():
+    cfg = load_config(["--config", CONFIG, "--task", "causal_lm"])
+    model = build_model(cfg, model_config(cfg, load_tokenizer(cfg)))
+    per_token, per_position = flop_counts(model)
+    assert training_flops((per_token, per_position), [10, 30]) == per_token * 40 + per_position * (10**2 + 30**2)
+    assert training_flops((per_token, per_position), [64]) == flops_per_token(model, 64) * 64
+
+
 def test_every_record_carries_its_mfu_where_the_peak_is_known(env, tmp_path):
-    run = run_entry(ENTRIES[0], 1, tmp_path / "out", env, {**ACCUM, "max_steps": 3, "peak_tflops": 0.01})
+    """The mfu of each step: the FLOPs of its examples at their real lengths (the attention term too,
+    not max_seq_len's) over the step's time, over the peak."""
+    flags = {**ACCUM, "max_steps": 3}
+    run = run_entry(ENTRIES[0], 1, tmp_path / "out", env, {**flags, "peak_tflops": 0.01})
     assert run.returncode == 0, run.stderr[-3000:]
-    cfg = load_config(["--config", CONFIG, "--max_seq_len", "48", "--task", "causal_lm"])
-    per_token = flops_per_token(build_model(cfg, model_config(cfg, load_tokenizer(cfg))), 48)
-    previous = 0.0
-    for record in run.steps:
+    cfg = load_config(["--config", CONFIG, *flag_args(flags)])
+    tokenizer = load_tokenizer(cfg)
+    prepared = prepare(cfg, tokenizer)
+    model = build_model(cfg, model_config(cfg, tokenizer, prepared.num_labels or 2))
+    lengths = np.array([len(ids) for ids in prepared.data["train"]["input_ids"]])
+    sampler = WindowSampler(len(lengths), plan_batches(cfg.global_batch_size, cfg.micro_batch_size, 1), 0, cfg.seed)
+    previous, shares = 0.0, []
+    for done, record in enumerate(run.steps):
         seconds, previous = record["elapsed_s"] - previous, record["elapsed_s"]
-        assert record["mfu"] == pytest.approx(per_token * record["input_tokens"] / seconds / 1e10, rel=0.02)
+        window = lengths[sampler.window_at(done).examples]
+        assert record["input_tokens"] == window.sum()
+        achieved = training_flops(flop_counts(model), window)
+        assert record["mfu"] == pytest.approx(achieved / seconds / 1e10, rel=0.02)
+        shares.append(achieved / (flops_per_token(model, cfg.max_seq_len) * window.sum()))
         # the model reads every token; a causal LM's loss has one target fewer per sequence
         examples = record["global_batch_size"]
         assert record["input_tokens"] == record["tokens"] + examples if TASK == "causal_lm" else \
             record["input_tokens"] > 5 * examples
     (last,) = [line for line in run.stdout.splitlines() if line.startswith("step 3/3 ")]
     assert " | mfu " in last  # the progress line shows it too
+    report(f"mfu's FLOPs at the examples' own lengths vs max_seq_len {cfg.max_seq_len}'s: "
+           f"{', '.join(f'{share:.3f}' for share in shares)} of it")

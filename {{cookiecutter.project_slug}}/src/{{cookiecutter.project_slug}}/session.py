@@ -28,7 +28,7 @@ from .data import Collator, eval_dataloader, loading, train_dataloader
 from .distributed import print0
 from .errors import JobFailed
 from .noise import NoiseScale
-from .speed import compiled_graphs, flops_per_token, matmul_precision, numel
+from .speed import compiled_graphs, flop_counts, matmul_precision, numel, training_flops
 from .startup import AUTO_CEILING, Run
 from .tracking import Tracker
 from .windows import MicroBatchRetry, Window
@@ -50,7 +50,7 @@ class Session:
         self.nonfinite: list[int] = []  # the latest consecutive non-finite steps
         self.stop_reason = ""
         self.last_elapsed_s = 0.0
-        self.flops_per_token = flops_per_token(model, self.cfg.max_seq_len)
+        self.flop_counts = flop_counts(model)
         self._announce(model)
         self.tracker = Tracker(self.cfg, self.env, run.plan, run.total_steps, run.start_step, run.resume is not None,
                                accelerator)
@@ -135,7 +135,7 @@ class Session:
 
     def _record(self, window: Window, values: dict) -> dict:
         """The metrics.jsonl object of an optimizer step, with its MFU where the peak is known:
-        model FLOPs of the step's input tokens (padding aside) over the step's time, over the peak
+        model FLOPs of the step's sequences (their real lengths) over the step's time, over the peak
         of every device. `tokens` are the targets the loss counts, `input_tokens` what the model reads."""
         elapsed_s = self.tracker.elapsed()
         seconds, self.last_elapsed_s = elapsed_s - self.last_elapsed_s, elapsed_s
@@ -144,9 +144,10 @@ class Session:
                   "global_batch_size": window.global_batch_size, "elapsed_s": round(elapsed_s, 3)}
         if self.retry.retries:
             record["oom_retries"], self.retry.retries = self.retry.retries, 0
-        record["input_tokens"] = int(self.input_lengths[window.examples].sum())
+        lengths = self.input_lengths[window.examples]
+        record["input_tokens"] = int(lengths.sum())
         if self.run.peak_flops and seconds > 0:
-            achieved = self.flops_per_token * record["input_tokens"] / seconds
+            achieved = training_flops(self.flop_counts, lengths) / seconds
             record["mfu"] = round(achieved / (self.run.peak_flops * self.env.world_size), 4)
         if self.cfg.compile:
             record["compiled_graphs"] = compiled_graphs()

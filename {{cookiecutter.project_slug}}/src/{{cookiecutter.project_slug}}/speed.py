@@ -4,6 +4,7 @@ figures that say how fast it is: FLOPs per token as nanoGPT and PaLM count them,
 FLOPs utilisation (`mfu`) of each step record. docs/performance.md tells the story.
 """
 
+import numpy as np
 import torch
 
 from .config import TrainConfig
@@ -85,10 +86,11 @@ def numel(parameter: torch.nn.Parameter) -> int:
     return getattr(parameter, "ds_numel", None) or parameter.numel()
 
 
-def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per weight (2 forward, 4 backward), not counting the input
-    embedding (a lookup), plus attention's 12·L·H·Q·T (layers, heads, head dim, sequence length),
-    as nanoGPT's estimate_mfu and the PaLM paper count them."""
+def flop_counts(model: torch.nn.Module) -> tuple[float, float]:
+    """Training FLOPs of a sequence of T tokens are `per_token`·T + `per_position`·T², as nanoGPT's
+    estimate_mfu and the PaLM paper count them: 6 per weight and token (2 forward, 4 backward), not
+    counting the input embedding (a lookup), plus attention's 12·L·H·Q (layers, heads, head dim)
+    for each token and each position of its sequence."""
     config = model.config
     embedding = model.get_input_embeddings().weight
     weights = sum(map(numel, model.parameters())) - numel(embedding)
@@ -96,4 +98,17 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
         weights += numel(embedding)  # the tied output projection is a real matmul
     layers, heads = config.num_hidden_layers, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 6 * weights + 12 * layers * heads * head_dim * seq_len
+    return 6 * weights, 12 * layers * heads * head_dim
+
+
+def training_flops(counts: tuple[float, float], lengths) -> float:
+    """The training FLOPs of sequences of these lengths (flop_counts: each sequence's attention
+    grows with its own length, not with max_seq_len)."""
+    per_token, per_position = counts
+    lengths = np.asarray(lengths, dtype=np.float64)
+    return float(per_token * lengths.sum() + per_position * np.square(lengths).sum())
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token of sequences of seq_len tokens (the benchmarks' fixed-length blocks)."""
+    return training_flops(flop_counts(model), [seq_len]) / seq_len

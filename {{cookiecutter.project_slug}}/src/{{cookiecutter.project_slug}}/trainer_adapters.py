@@ -31,7 +31,7 @@ class WindowTrainer(Trainer):
       the scaler's own state, which a resumed checkpoint then overwrites;
     - the Trainer's per-step dict on the console gives way to the project's progress line;
     - `floating_point_ops` (the documented hook) returns 0: the Trainer's own FLOP count walks the
-      model's parameters on every micro-step; the project counts FLOPs once (speed.flops_per_token).
+      model's parameters on every micro-step; the project counts FLOPs once (speed.training_flops).
     """
 
     def __init__(self, *args, session, train_loader, **kwargs):
