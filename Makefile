@@ -11,7 +11,7 @@ help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
 
 # Without a GPU, DeepSpeed compiles its shared-memory collectives when a job first starts (about a
-# minute on 2 cores, inside the tests' timeouts, while the suites load the machine): compile them once here.
+# minute on 2 cores, minutes under the suite's load, past a test's timeout): compile them once here.
 $(VENV)/.installed: requirements-dev.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
