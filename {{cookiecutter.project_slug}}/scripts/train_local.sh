@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# torchrun on this machine: one process per GPU, or 2 processes on a CPU-only machine.
+# torchrun on this machine: one process per GPU, or 2 processes on a CPU-only machine (through
+# src/{{ cookiecutter.project_slug }}/torchrun.py, torchrun itself but for a Ctrl-C: one line, not a traceback).
 # Arguments are passed through to the entry point; environment variables set the launch:
 #   scripts/train_local.sh --max_steps 20 --report_to none
 #   ENTRY=pytorch NPROC_PER_NODE=4 scripts/train_local.sh --config configs/train.yaml
@@ -23,7 +24,7 @@ fi
 # The package runs from src/ without being installed.
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 
-cmd=("$PYTHON" -m torch.distributed.run --nnodes 1 --nproc_per_node "$NPROC_PER_NODE"
+cmd=("$PYTHON" -m {{ cookiecutter.project_slug }}.torchrun --nnodes 1 --nproc_per_node "$NPROC_PER_NODE"
      --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
      -m "{{ cookiecutter.project_slug }}.train_${ENTRY}" "$@")
 if is_yes DRY_RUN; then

@@ -4,13 +4,14 @@ real 2-process run. (The sbatch scripts run on a real SLURM cluster in the templ
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import DATA_CACHE, ROOT, SLUG
+from conftest import DATA_CACHE, LAUNCH_TIMEOUT_S, ROOT, SLUG, error_lines, wait_for_step
 
 SCRIPTS = sorted((ROOT / "scripts").rglob("*.sh")) + sorted((ROOT / "scripts").rglob("*.sbatch"))
 
@@ -93,6 +94,36 @@ def test_train_local_trains_with_two_cpu_processes(env, tmp_path):
     first = (out / "metrics.jsonl").read_text().splitlines()[0]
     assert '"world_size": 2' in first
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum,group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["ctrl_c", "sigterm_to_torchrun"])
+def test_a_stopped_local_run_is_one_line_from_each_process(env, tmp_path, signum, group):
+    """Ctrl-C reaches the terminal's whole process group (torchrun and its workers); `kill` only
+    torchrun, which passes the signal on. Either way: torchrun's one line, no traceback, exit code
+    128 + the signal's number; a worker stopped by SIGINT says so in a line of its own (one that
+    SIGTERM stops mid-step ends by the signal's default action, without a word)."""
+    out = tmp_path / "local"
+    proc = subprocess.Popen(["scripts/train_local.sh", "--max_steps", "500", "--micro_batch_size", "2",
+                             "--global_batch_size", "8", "--max_seq_len", "48", "--report_to", "none",
+                             "--output_dir", str(out), "--data_cache_dir", str(DATA_CACHE)],
+                            cwd=ROOT, env={**env, "PYTHON": sys.executable}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for_step(out, proc, 2)
+        (os.killpg if group else os.kill)(proc.pid, signum)
+        stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    name = signal.Signals(signum).name
+    lines = stderr.splitlines()
+    assert proc.returncode == 128 + signum and lines == error_lines(stderr), stderr[-3000:]
+    assert lines[-1] == (f"error: torchrun stopped by {name} and stopped its workers; a restart resumes from "
+                         "the newest checkpoint")
+    assert (signum == signal.SIGTERM or lines[:-1]) and len(lines[:-1]) <= 2, stderr[-3000:]
+    assert all(line.startswith(f"error: stopped by {name}") for line in lines[:-1])
 
 ANSWERS = json.loads((ROOT / ".cookiecutter.json").read_text()) if (ROOT / ".cookiecutter.json").exists() else None
 SBATCH = sorted((ROOT / "scripts" / "slurm").glob("*.sbatch"))
