@@ -29,7 +29,7 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
         *(f"{pkg}/{m}.py" for m in ("__init__", "batch", "checkpoint", "checkpoint_files", "cli", "config", "data",
                                      "data_cache", "distributed", "errors", "evaluation", "launch", "memory", "model",
                                      "noise", "optim", "output_lock", "prepare", "prepare_data", "session", "sources",
-                                     "speed", "startup", "tracking", "windows")),
+                                     "speed", "startup", "torchrun", "tracking", "windows")),
         *(f"docs/{name}.md" for name in ("batch", "data", "guarantees", "launching", "memory", "performance")),
         *(f"{pkg}/assets/data/{t}/{s}.jsonl" for t in TASKS for s in ("train", "validation")),
         f"{pkg}/assets/tokenizer/tokenizer.json", f"{pkg}/assets/tokenizer/tokenizer_config.json",
