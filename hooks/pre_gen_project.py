@@ -46,7 +46,7 @@ def check_slug(slug: str) -> str | None:
 
 def check_numbers(answers: dict) -> str | None:
     numbers = {}
-    for key in ("micro_batch_size", "global_batch_size", "num_nodes", "gpus_per_node"):
+    for key in ("micro_batch_size", "global_batch_size", "num_nodes", "gpus_per_node", "cpus_per_gpu"):
         value = str(answers[key]).strip()
         if not POSITIVE_INT.fullmatch(value):
             return f"{key} must be a positive whole number, got {answers[key]!r}, e.g. '8'"

@@ -25,6 +25,8 @@ BAD_ANSWERS = [
     ({"global_batch_size": "6.5"}, "global_batch_size must be a positive whole number, got '6.5'"),
     ({"num_nodes": "two"}, "num_nodes must be a positive whole number, got 'two'"),
     ({"gpus_per_node": ""}, "gpus_per_node must be a positive whole number, got ''"),
+    ({"cpus_per_gpu": "0"}, "cpus_per_gpu must be a positive whole number, got '0'"),
+    ({"cpus_per_gpu": "8 cores"}, "cpus_per_gpu must be a positive whole number, got '8 cores'"),
     ({"global_batch_size": "48"},
      "global_batch_size 48 is not divisible by micro_batch_size 8 x num_nodes 1 x gpus_per_node 4 = 32"),
     ({"num_nodes": "3", "global_batch_size": "64"}, "is not divisible by micro_batch_size 8 x num_nodes 3"),

@@ -18,7 +18,9 @@ import pytest
 from conftest import report
 
 SLURM_DIR = Path(__file__).parent / "slurm"
-ANSWERS = {"num_nodes": "2", "gpus_per_node": "2", "slurm_partition": "debug", "slurm_time": "00:30:00"}
+# the nodes have 2 CPUs each: 1 per GPU asks for both (#SBATCH --cpus-per-task=2)
+ANSWERS = {"num_nodes": "2", "gpus_per_node": "2", "cpus_per_gpu": "1", "slurm_partition": "debug",
+           "slurm_time": "00:30:00"}
 TRAIN = ["--report_to", "none", "--max_seq_len", "48", "--micro_batch_size", "2", "--global_batch_size", "8",
          "--collective_timeout_s", "120"]
 JOB_TIMEOUT_S = 300
@@ -50,13 +52,32 @@ def project(baked, slurm):
     return baked(**ANSWERS)
 
 
+# Imported by every Python process of a job (on PYTHONPATH): each training process writes what it
+# was given for its threads.
+RECORD_RANK_ENV = """import json, os
+if "LOCAL_RANK" in os.environ:
+    names = ("RANK", "SLURM_CPUS_PER_TASK", "SRUN_CPUS_PER_TASK", "OMP_NUM_THREADS")
+    with open(os.path.join(os.environ["RANK_ENV_DIR"], f"{os.getpid()}.json"), "w") as f:
+        json.dump({name: os.environ.get(name) for name in names}, f)
+"""
+
+
 def job_env(slurm: dict, out: Path) -> dict:
-    """What a user's shell would hold at `sbatch`: the venv on PATH, offline, loopback, CPU."""
+    """What a user's shell would hold at `sbatch`: the venv on PATH, offline, loopback, CPU; and
+    a sitecustomize that records each training process's CPU settings in `out`.ranks/."""
+    site = out.parent / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(RECORD_RANK_ENV)
+    Path(f"{out}.ranks").mkdir(exist_ok=True)
     return {**slurm, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{slurm['PATH']}",
-            "NPROC_PER_NODE": "1", "OUTPUT_DIR": str(out),
+            "NPROC_PER_NODE": "1", "OUTPUT_DIR": str(out), "PYTHONPATH": str(site), "RANK_ENV_DIR": f"{out}.ranks",
             "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(out.parent / "hf"),
-            "WANDB_MODE": "offline", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+            "WANDB_MODE": "offline", "GLOO_SOCKET_IFNAME": "lo",
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def rank_env(out: Path) -> list[dict]:
+    return sorted((json.loads(p.read_text()) for p in Path(f"{out}.ranks").glob("*.json")), key=lambda e: e["RANK"])
 
 
 def job_state(job: str, env: dict) -> dict:
@@ -99,6 +120,10 @@ def test_sbatch_script_trains_on_two_nodes(project, slurm, tmp_path, script, ext
     assert state["NodeList"] == "node[1-2]" and state["NumNodes"] == "2"
     assert [(r["step"], r["world_size"]) for r in steps_of(out)] == [(1, 2), (2, 2), (3, 2), (4, 2)]
     assert (out / "final_model" / "model.safetensors").is_file()
+    # each node's 2 CPUs (--cpus-per-task), for srun (Slurm >= 22.05) and for its one process's threads
+    assert rank_env(out) == [{"RANK": str(rank), "SLURM_CPUS_PER_TASK": "2", "SRUN_CPUS_PER_TASK": "2",
+                              "OMP_NUM_THREADS": "2"} for rank in (0, 1)], log[-3000:]
+    assert "cpus: 2 per node (SRUN_CPUS_PER_TASK=2), OMP_NUM_THREADS=2 per process; max restarts 1" in log
     report(f"slurm {script}.sbatch {extra_env or ''}: job {job}, exit code {state['ExitCode']}, "
            f"nodes {state['NodeList']}, {wall:.1f} s from sbatch to exit")
 

@@ -21,6 +21,14 @@ whole_number() {
   fi
 }
 
+# `count_of NAME`: the same for a whole number that may be 0.
+count_of() {
+  if [[ -n "${!1+set}" && ! "${!1}" =~ ^(0|[1-9][0-9]*)$ ]]; then
+    echo "error: $1=${!1} is not a whole number" >&2
+    exit 2
+  fi
+}
+
 # `names_a_file NAME PATH`: PATH, which the variable NAME chose, is a file; else one line and exit 2.
 names_a_file() {
   if [[ ! -f "$2" ]]; then

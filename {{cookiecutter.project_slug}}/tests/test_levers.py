@@ -6,8 +6,10 @@ import subprocess
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from {{ cookiecutter.project_slug }}.config import load_config
+from {{ cookiecutter.project_slug }}.distributed import DistEnv, init_distributed
 from {{ cookiecutter.project_slug }}.memory import MIB, training_step_peak
 from {{ cookiecutter.project_slug }}.model import load_tokenizer, model_config
 from {{ cookiecutter.project_slug }}.prepare import prepare
@@ -226,3 +228,19 @@ def test_auto_micro_batch_is_the_largest_that_fits(runs, entry):
     report(f"micro_batch_size auto ({entry}), budget {budget_mb:.2f} MiB (peaks: micro 4 {peak4 / MIB:.2f} MiB, "
            f"micro 8 {peak8 / MIB:.2f} MiB): chose 4; vs {ENTRIES[0]} told 4: max |param diff| {diff:.3g}")
     assert diff == 0
+
+
+@pytest.mark.parametrize("backend,bound", [(None, True), ("gloo", False)], ids=["nccl", "gloo_by_DIST_BACKEND"])
+def test_a_gpu_rank_joins_nccl_bound_to_its_gpu(monkeypatch, backend, bound):
+    """On a GPU the group is nccl, bound to the rank's GPU from the start (`device_id`); gloo
+    (DIST_BACKEND=gloo: several ranks on one GPU) is not bound. Recorded here without a GPU."""
+    joined = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([(dist.HashStore(), 1, 2)]))
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: joined.update(kwargs))
+    monkeypatch.delenv("DIST_BACKEND", raising=False)
+    if backend:
+        monkeypatch.setenv("DIST_BACKEND", backend)
+    device = torch.device("cuda", 1)
+    init_distributed(DistEnv(1, 1, 2, 2, device), 60, 60)
+    assert joined["backend"] == (backend or "nccl") and joined["device_id"] == (device if bound else None)

@@ -3,6 +3,7 @@ real 2-process run. (The sbatch scripts run on a real SLURM cluster in the templ
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -49,7 +50,10 @@ BAD_VARIABLES = [({"NPROC_PER_NODE": "0"}, "error: NPROC_PER_NODE=0 is not a who
                  ({"MASTER_PORT": "29 500"}, "error: MASTER_PORT=29 500 is not a whole number of at least 1")]
 SBATCH_BAD_VARIABLES = [({"SLURM_NNODES": "abc"}, "error: SLURM_NNODES=abc is not a whole number of at least 1"),
                         ({"CONFIG": "configs/trian.yaml"},
-                         "error: CONFIG=configs/trian.yaml names configs/trian.yaml, which is not a file")]
+                         "error: CONFIG=configs/trian.yaml names configs/trian.yaml, which is not a file"),
+                        ({"SLURM_CPUS_PER_TASK": "8x"}, "error: SLURM_CPUS_PER_TASK=8x is not a whole number of at least 1"),
+                        ({"OMP_NUM_THREADS": "0"}, "error: OMP_NUM_THREADS=0 is not a whole number of at least 1"),
+                        ({"MAX_RESTARTS": "-1"}, "error: MAX_RESTARTS=-1 is not a whole number")]
 
 
 @pytest.mark.parametrize("script", LAUNCH_SCRIPTS)
@@ -125,6 +129,7 @@ def test_a_stopped_local_run_is_one_line_from_each_process(env, tmp_path, signum
     assert (signum == signal.SIGTERM or lines[:-1]) and len(lines[:-1]) <= 2, stderr[-3000:]
     assert all(line.startswith(f"error: stopped by {name}") for line in lines[:-1])
 
+
 ANSWERS = json.loads((ROOT / ".cookiecutter.json").read_text()) if (ROOT / ".cookiecutter.json").exists() else None
 SBATCH = sorted((ROOT / "scripts" / "slurm").glob("*.sbatch"))
 
@@ -135,7 +140,8 @@ def test_sbatch_lines_come_from_the_answers(script):
     lines = {line.partition(" ")[2] for line in script.read_text().splitlines() if line.startswith("#SBATCH ")}
     expected = {f"--nodes={ANSWERS['num_nodes']}", "--ntasks-per-node=1", f"--gpus-per-node={ANSWERS['gpus_per_node']}",
                 f"--partition={ANSWERS['slurm_partition']}", f"--time={ANSWERS['slurm_time']}",
-                "--signal=B:USR1@120", "--requeue"}
+                "--signal=B:USR1@120", "--requeue",
+                f"--cpus-per-task={int(ANSWERS['cpus_per_gpu']) * int(ANSWERS['gpus_per_node'])}"}
     assert expected <= lines
     assert any(line.startswith("--account=") for line in lines) == bool(ANSWERS["slurm_account"])
 
@@ -143,7 +149,8 @@ def test_sbatch_lines_come_from_the_answers(script):
 @pytest.mark.parametrize("script", SBATCH, ids=lambda p: p.stem)
 def test_sbatch_dry_run_prints_each_nodes_command(script, env):
     # outside an allocation (as on a login node): 3 placeholder nodes, 2 processes each
-    env = {**env, "DRY_RUN": "1", "SLURM_NNODES": "3", "NPROC_PER_NODE": "2"}
+    env = {**{k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}, "DRY_RUN": "1", "SLURM_NNODES": "3",
+           "NPROC_PER_NODE": "2"}
     proc = subprocess.run(["bash", str(script), "--max_steps", "3", "--learning_rate", "1e-4"], cwd=ROOT, env=env,
                           capture_output=True, text=True, check=True)
     nodes = [line for line in proc.stdout.splitlines() if line.startswith("node")]
@@ -155,11 +162,34 @@ def test_sbatch_dry_run_prints_each_nodes_command(script, env):
         assert line.endswith("--output_dir runs/dry-run --resume_from_checkpoint auto --max_steps 3 "
                              "--learning_rate 1e-4")
         if script.stem == "torchrun":
-            assert "--nnodes 3 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint node0:20000" in line
+            assert ("--nnodes 3 --nproc_per_node 2 --max-restarts 1 --rdzv_backend c10d --rdzv_endpoint "
+                    "node0:20000") in line
         else:
-            assert f"--num_machines 3 --num_processes 6 --machine_rank {node_id} --main_process_ip node0" in line
+            assert (f"--num_processes 6 --max_restarts 1 --machine_rank {node_id} --main_process_ip node0 "
+                    "--main_process_port 20000") in line
     if script.stem == "torchrun":  # c10d gives the node ranks: every node runs the same command
         assert len({line.partition(": ")[2] for line in nodes}) == 1
+    # the CPUs the script asks SLURM for (outside an allocation), shared out among the 2 processes
+    cpus = int(re.search(r"^DEFAULT_CPUS_PER_TASK=(\d+)$", script.read_text(), re.M).group(1))
+    assert f"cpus: {cpus} per node (SRUN_CPUS_PER_TASK={cpus}), OMP_NUM_THREADS={max(cpus // 2, 1)} per process; " \
+           "max restarts 1" in proc.stdout.splitlines()
+
+
+@pytest.mark.parametrize("variables,said", [
+    ({"SLURM_CPUS_PER_TASK": "7"}, "cpus: 7 per node (SRUN_CPUS_PER_TASK=7), OMP_NUM_THREADS=3 per process"),
+    ({"SLURM_CPUS_PER_TASK": "1"}, "cpus: 1 per node (SRUN_CPUS_PER_TASK=1), OMP_NUM_THREADS=1 per process"),
+    ({"SLURM_CPUS_PER_TASK": "6", "OMP_NUM_THREADS": "2", "MAX_RESTARTS": "0"},
+     "cpus: 6 per node (SRUN_CPUS_PER_TASK=6), OMP_NUM_THREADS=2 per process; max restarts 0")])
+def test_sbatch_shares_the_nodes_cpus_among_its_processes(env, variables, said):
+    """In an allocation SLURM sets SLURM_CPUS_PER_TASK (--cpus-per-task); srun and the processes'
+    threads follow it. Outside one the #SBATCH value stands in (the dry-run test above)."""
+    script = SBATCH[0]
+    env = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run(["bash", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**env, "DRY_RUN": "1", "NPROC_PER_NODE": "2", **variables})
+    assert proc.returncode == 0 and said in proc.stdout, proc.stdout + proc.stderr
+    restarts = variables.get("MAX_RESTARTS", "1")
+    assert f"max_restarts {restarts} " in proc.stdout or f"max-restarts {restarts} " in proc.stdout
 
 
 def test_readme_commands_run_one_after_another():

@@ -4,6 +4,11 @@
 # job_setup "$@" sets, from SLURM's variables (or placeholders outside an allocation, for DRY_RUN):
 #   NODES (host names, in SLURM_NODEID order)  NNODES  HEAD (first node)  MASTER_PORT
 #   NPROC_PER_NODE (processes per node: GPUs SLURM gave the node, unless set)
+#   CPUS_PER_TASK (the node's CPUs: SLURM_CPUS_PER_TASK, from #SBATCH --cpus-per-task), exported as
+#     SRUN_CPUS_PER_TASK (srun takes it from there since Slurm 22.05, not from the allocation) and
+#     OMP_NUM_THREADS (an equal share per process, unless set; torchrun would set 1)
+#   MAX_RESTARTS (default 1: the launcher restarts the processes of a failed node once, from the
+#     newest checkpoint, e.g. at a smaller micro batch after an out-of-memory error)
 #   OUTPUT_DIR (default runs/<job id>: the same folder after a requeue)
 #   TRAIN_ARGS (--config, --output_dir, --resume_from_checkpoint auto, then the script's arguments)
 # launch_on_nodes NODE_CMD runs NODE_CMD once per node under srun; `\$SLURM_NODEID` in it is
@@ -19,7 +24,10 @@ source scripts/flags.sh
 # shellcheck disable=SC2034  # TRAIN_ARGS and the others are read by the sbatch script
 job_setup() {
   local name
-  for name in SLURM_NNODES SLURM_GPUS_ON_NODE NPROC_PER_NODE MASTER_PORT; do whole_number "$name"; done
+  for name in SLURM_NNODES SLURM_GPUS_ON_NODE SLURM_CPUS_PER_TASK NPROC_PER_NODE MASTER_PORT OMP_NUM_THREADS; do
+    whole_number "$name"
+  done
+  count_of MAX_RESTARTS
   JOB_ID=${SLURM_JOB_ID:-dry-run}
   if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
     mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
@@ -32,6 +40,10 @@ job_setup() {
   # a port per job, so jobs sharing a node do not collide
   MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
   NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-$DEFAULT_GPUS_PER_NODE}}
+  CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-$DEFAULT_CPUS_PER_TASK}
+  export SRUN_CPUS_PER_TASK=$CPUS_PER_TASK
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((CPUS_PER_TASK > NPROC_PER_NODE ? CPUS_PER_TASK / NPROC_PER_NODE : 1))}
+  MAX_RESTARTS=${MAX_RESTARTS:-1}
   OUTPUT_DIR=${OUTPUT_DIR:-runs/$JOB_ID}
   CONFIG=${CONFIG:-configs/train.yaml}
   names_a_file CONFIG "$CONFIG"
@@ -39,6 +51,7 @@ job_setup() {
   # the package runs from src/ without being installed
   export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
   echo "job $JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $(count "$NNODES" node nodes) x $(count "$NPROC_PER_NODE" process processes), head $HEAD:$MASTER_PORT, output $OUTPUT_DIR"
+  echo "cpus: $CPUS_PER_TASK per node (SRUN_CPUS_PER_TASK=$SRUN_CPUS_PER_TASK), OMP_NUM_THREADS=$OMP_NUM_THREADS per process; max restarts $MAX_RESTARTS"
 }
 
 count() {  # count N SINGULAR PLURAL: "1 node", "4 nodes"

@@ -124,9 +124,11 @@ def init_distributed(env: DistEnv, rendezvous_timeout_s: float, collective_timeo
     try:
         store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size,
                                            timeout=timedelta(seconds=rendezvous_timeout_s)))
+        # nccl bound to this rank's GPU at once (device_id): no guessing the device at the first collective
         dist.init_process_group(backend=backend, store=dist.PrefixStore(f"attempt_{attempt}/", store),
                                 rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(seconds=collective_timeout_s))
+                                timeout=timedelta(seconds=collective_timeout_s),
+                                device_id=env.device if backend == "nccl" else None)
     except dist.DistError as err:
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         raise JobFailed(f"rank {env.rank} waited {rendezvous_timeout_s:g} s for the {env.world_size} processes of "
