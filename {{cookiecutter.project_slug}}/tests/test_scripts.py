@@ -51,7 +51,8 @@ BAD_VARIABLES = [({"NPROC_PER_NODE": "0"}, "error: NPROC_PER_NODE=0 is not a who
 SBATCH_BAD_VARIABLES = [({"SLURM_NNODES": "abc"}, "error: SLURM_NNODES=abc is not a whole number of at least 1"),
                         ({"CONFIG": "configs/trian.yaml"},
                          "error: CONFIG=configs/trian.yaml names configs/trian.yaml, which is not a file"),
-                        ({"SLURM_CPUS_PER_TASK": "8x"}, "error: SLURM_CPUS_PER_TASK=8x is not a whole number of at least 1"),
+                        ({"SLURM_CPUS_PER_TASK": "8x"},
+                         "error: SLURM_CPUS_PER_TASK=8x is not a whole number of at least 1"),
                         ({"OMP_NUM_THREADS": "0"}, "error: OMP_NUM_THREADS=0 is not a whole number of at least 1"),
                         ({"MAX_RESTARTS": "-1"}, "error: MAX_RESTARTS=-1 is not a whole number")]
 
