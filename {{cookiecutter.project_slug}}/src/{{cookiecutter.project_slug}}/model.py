@@ -16,6 +16,8 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
 )
+from transformers.initialization import no_init_weights
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from . import ASSETS
 from .config import TrainConfig
@@ -85,7 +87,14 @@ def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
     auto = AutoModelForCausalLM if cfg.task == "causal_lm" else AutoModelForSequenceClassification
     torch.manual_seed(cfg.seed)
     if cfg.model_name_or_path == TINY:
-        model = auto.from_config(config, dtype=torch.float32, attn_implementation=cfg.attn_implementation)
+        # Drawn once, by the model's own init, not first by each layer's constructor: the weights
+        # ZeRO-3 draws for a model it builds partitioned (it skips the constructors'), so that a
+        # partitioned start and a whole one train the same
+        zero3 = is_deepspeed_zero3_enabled()
+        with nullcontext() if zero3 else no_init_weights():
+            model = auto.from_config(config, dtype=torch.float32, attn_implementation=cfg.attn_implementation)
+        if not zero3:
+            model.init_weights()
     else:
         model = auto.from_pretrained(cfg.model_name_or_path, config=config, dtype=torch.float32,
                                      attn_implementation=cfg.attn_implementation)

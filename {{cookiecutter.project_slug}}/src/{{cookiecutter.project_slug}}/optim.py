@@ -15,10 +15,13 @@ SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices, none on biases and norms: by each parameter's whole shape (under
+    ZeRO-3 a partitioned parameter's own tensor is flat and empty; DeepSpeed keeps the shape in ds_shape)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
     return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p, m in zip(params, matrix, strict=True) if m], "weight_decay": weight_decay},
+        {"params": [p for p, m in zip(params, matrix, strict=True) if not m], "weight_decay": 0.0},
     ]
 
 

@@ -98,10 +98,6 @@ def train_step(accelerator: Accelerator, model, window: Window, optimizer, lr_sc
 def train(cfg: TrainConfig) -> None:
     run = start(cfg, entry="accelerate")  # every up-front check
     env = run.env
-    model = build_model(cfg, run.model_config)
-    optimizer = build_optimizer(model, cfg, env.device)
-    lr_scheduler = build_scheduler(optimizer, cfg, run.total_steps, run.plan)
-
     on_cpu = env.device.type == "cpu"
     # Our process group, which Accelerate then uses; also what DeepSpeed on CPU needs (Accelerate
     # only starts DeepSpeed off the CPU path, and DeepSpeed's own CPU backend is oneCCL).
@@ -122,6 +118,11 @@ def train(cfg: TrainConfig) -> None:
     )
     if accelerator.process_index != env.rank:  # DeepSpeed on CPU (see the module docstring)
         PartialState().process_index = accelerator.state.process_index = env.rank
+    # built once the Accelerator exists: under ZeRO-3 (zero3_init_flag, on by default for a stage 3
+    # file) each rank then builds only its partition of the weights, never the whole model
+    model = build_model(cfg, run.model_config)
+    optimizer = build_optimizer(model, cfg, env.device)
+    lr_scheduler = build_scheduler(optimizer, cfg, run.total_steps, run.plan)
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
     sync_counter = sync_counter_for(model)
     if run.resume is not None:

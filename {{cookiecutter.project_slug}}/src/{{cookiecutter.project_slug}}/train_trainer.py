@@ -80,8 +80,13 @@ def training_arguments(cfg: TrainConfig, run: Run) -> TrainingArguments:
 
 def train(cfg: TrainConfig) -> None:
     run = start(cfg, entry="trainer")  # every up-front check
-    model = build_model(cfg, run.model_config)
     run.init_distributed()  # the process group the Trainer then uses
+    if cfg.compile:  # the Trainer's dynamo plugin reads Accelerate's variable for dynamic shapes
+        os.environ["ACCELERATE_DYNAMO_USE_DYNAMIC"] = str(COMPILE["dynamic"]).lower()
+    # before the model: under ZeRO-3 the arguments' DeepSpeed config has each rank build only its
+    # partition of the weights, never the whole model
+    args = training_arguments(cfg, run)
+    model = build_model(cfg, run.model_config)
     session = Session(run, model)
     if run.start_step >= run.total_steps:  # trained to the end, stopped before final_model was saved
         load_model(model, str(run.resume / "model.safetensors"))
@@ -89,9 +94,6 @@ def train(cfg: TrainConfig) -> None:
         return session.done()
     train_loader, _ = session.loaders()
 
-    if cfg.compile:  # the Trainer's dynamo plugin reads Accelerate's variable for dynamic shapes
-        os.environ["ACCELERATE_DYNAMO_USE_DYNAMIC"] = str(COMPILE["dynamic"]).lower()
-    args = training_arguments(cfg, run)
     loss = WindowLoss(cfg.task)
     trainer = WindowTrainer(
         model=model,
