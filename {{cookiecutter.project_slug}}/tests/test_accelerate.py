@@ -5,15 +5,20 @@ refused before any process waits on another."""
 import json
 import subprocess
 import sys
+import textwrap
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
 from conftest import (
+    LAUNCH_TIMEOUT_S,
     ROOT,
     SLUG,
+    Run,
     accelerate_launch,
+    flag_args,
     free_port,
+    launch_cmd,
     max_abs_diff,
     one_error_line,
     report,
@@ -108,6 +113,92 @@ def test_deepspeed_boundary_follows_short_windows(runs, small_dataset):
            f"max |param diff| {diff:.3g}")
     assert diff <= 1e-5
 
+
+
+# The entry point, its model built whole where BUILD_WHOLE is set (as when the model exists before
+# the Accelerator: no DeepSpeed config in sight), and where RECORD_DIR is set grown to 308M
+# parameters (6 layers of width 2048): each process then records its resident memory just after
+# the imports and its peak once the model is built, and stops there.
+MODEL_START = textwrap.dedent("""
+    import importlib, json, os, re, sys
+    import torch.distributed as dist
+    from transformers import LlamaConfig
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    def kib(field):
+        return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
+
+    entry = importlib.import_module("{{ cookiecutter.project_slug }}.train_" + sys.argv.pop(1))
+    after_imports = kib("VmRSS")
+    build_model = entry.build_model
+
+    def build(cfg, config):
+        if os.environ.get("BUILD_WHOLE"):
+            unset_hf_deepspeed_config()
+        if "RECORD_DIR" not in os.environ:
+            return build_model(cfg, config)
+        big = LlamaConfig(vocab_size=config.vocab_size, hidden_size=2048, intermediate_size=5632,
+                          num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=16,
+                          max_position_embeddings=128, tie_word_embeddings=True)
+        model = build_model(cfg, big)
+        numel = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters())
+        with open(os.path.join(os.environ["RECORD_DIR"], f"rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"after_imports": after_imports, "peak": kib("VmHWM"), "numel": numel}, f)
+        dist.barrier()
+        os._exit(0)
+
+    entry.build_model = build
+    entry.main()
+""")
+
+
+def zero3_start(env: dict, tmp_path, name: str, flags: dict, **extra_env) -> subprocess.CompletedProcess:
+    """The accelerate entry point on 2 processes under ZeRO-3 through MODEL_START, into tmp_path/name.
+    Tensors of 1 MiB and more are given back to the system when freed (MALLOC_MMAP_THRESHOLD_; glibc
+    would otherwise keep them, which resident memory cannot tell from live ones)."""
+    script = tmp_path / "model_start.py"
+    script.write_text(MODEL_START)
+    cmd = launch_cmd("accelerate", 2)
+    cmd[-2:] = [str(script), "accelerate"]
+    flags = flag_args({"deepspeed": "configs/deepspeed/zero3.json", **flags})
+    proc = subprocess.run(cmd + flags + ["--output_dir", str(tmp_path / name)], cwd=ROOT, timeout=LAUNCH_TIMEOUT_S,
+                          env={**env, "MALLOC_MMAP_THRESHOLD_": "1048576", **extra_env}, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def big_model_memory(env: dict, tmp_path, name: str, **extra_env) -> list[dict]:
+    """Each process's memory record (KiB) of a start of the 308M-parameter model."""
+    records = tmp_path / f"{name}_memory"
+    records.mkdir()
+    zero3_start(env, tmp_path, name, ACCUM, RECORD_DIR=str(records), **extra_env)
+    return [json.loads((records / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEEPSPEED, reason="no DeepSpeed configs generated (deepspeed_stage: none)")
+def test_zero3_builds_each_ranks_partition_not_the_whole_model(runs, env, tmp_path):
+    """ZeRO-3 on 2 processes, a 308M-parameter model (1.15 GiB in fp32): each process builds only
+    its partition, so the largest rise of resident memory from the imports to the built model stays
+    below the whole model's size, where a model built whole first goes above it. A partitioned start
+    trains the same as a whole one (the tiny model, 4 steps)."""
+    partitioned = big_model_memory(env, tmp_path, "partitioned")
+    whole = big_model_memory(env, tmp_path, "whole", BUILD_WHOLE="1")
+    numel = partitioned[0]["numel"]
+    assert numel >= 300e6 and all(r["numel"] == numel for r in partitioned + whole)
+    model_kib = numel * 4 / 1024
+    rise = {name: max(r["peak"] - r["after_imports"] for r in records)
+            for name, records in (("partitioned", partitioned), ("whole", whole))}
+    report(f"ZeRO-3 start of a {numel / 1e6:.0f}M-parameter model ({model_kib / 1024**2:.2f} GiB fp32) on 2 "
+           f"processes: largest resident-memory rise {rise['partitioned'] / 1024**2:.2f} GiB partitioned, "
+           f"{rise['whole'] / 1024**2:.2f} GiB built whole first")
+    assert rise["partitioned"] < model_kib < rise["whole"]
+    partitioned_run = runs("accelerate", 2, deepspeed="configs/deepspeed/zero3.json", **SGD)
+    zero3_start(env, tmp_path, "whole_run", SGD, BUILD_WHOLE="1")
+    whole_run = Run(0, "", "", tmp_path / "whole_run")
+    assert [r["loss"] for r in whole_run.steps] == [r["loss"] for r in partitioned_run.steps]
+    assert max_abs_diff(partitioned_run.params(), whole_run.params()) <= 1e-6
 
 def mismatch_json(tmp_path, **keys):
     config = json.loads((ROOT / "configs" / "deepspeed" / "zero2.json").read_text()) if DEEPSPEED else {}
