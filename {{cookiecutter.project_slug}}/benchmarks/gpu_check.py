@@ -8,11 +8,15 @@
 - two processes on the one GPU (DIST_BACKEND=gloo: nccl refuses two ranks per device): the 2x4
   cell against 1x1, and DDP's all-reduces per optimizer step.
 
-It writes bench/gpu_check.json and bench/gpu_check.md. Without a GPU it says so in one line and
-exits 0. What stays exact on GPUs and what does not: docs/performance.md.
+Each section's result goes to bench/gpu_check.json the moment it is measured (a later failure
+keeps it); bench/gpu_check.md at the end. Without a GPU it says so in one line and exits 0;
+`--device cpu` runs every section on the CPU as a self-test of the check itself (the tiny model,
+64 tokens, fp32, compile off, a memory budget standing in for an out-of-memory error; about a
+minute). What stays exact on GPUs and what does not: docs/performance.md.
 
-    python -m benchmarks.gpu_check            # make gpu-check
-    python -m benchmarks.gpu_check --quick    # fewer steps (about 2 minutes)
+    python -m benchmarks.gpu_check                 # make gpu-check
+    python -m benchmarks.gpu_check --quick         # fewer steps (about 2 minutes)
+    python -m benchmarks.gpu_check --device cpu    # the self-test, anywhere
 """
 
 import json
@@ -22,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.memory import MIB, training_step_peak
@@ -32,9 +37,16 @@ from .common import GPT2_SMALL, ROOT, SLUG, entry_points, free_port, machine, pa
 from .data import write_corpus
 
 TIMEOUT_S = 600
-GPT2 = {"model_name_or_path": GPT2_SMALL, "max_seq_len": 1024, "packing": "true", "mixed_precision": "bf16",
-        "micro_batch_size": 8, "global_batch_size": 32, "report_to": "none", "warmup_steps": 2,
-        "eval_every": 100000, "log_every": 100000}
+# What each device measures: GPT-2 small on a GPU; on the CPU the self-test's tiny model. Causal LM
+# whatever the project's own task (packing is for causal LM only).
+SETTINGS = {
+    "cuda": {"task": "causal_lm", "model_name_or_path": GPT2_SMALL, "max_seq_len": 1024, "packing": "true",
+             "mixed_precision": "bf16", "micro_batch_size": 8, "global_batch_size": 32, "report_to": "none",
+             "warmup_steps": 2, "eval_every": 100000, "log_every": 100000},
+    "cpu": {"task": "causal_lm", "model_name_or_path": "tiny", "max_seq_len": 64, "packing": "true",
+            "mixed_precision": "no", "micro_batch_size": 4, "global_batch_size": 16, "report_to": "none",
+            "warmup_steps": 2, "eval_every": 100000, "log_every": 100000},
+}
 
 
 def flags(values: dict) -> list[str]:
@@ -60,14 +72,15 @@ def throughput(records: list[dict], skip: int) -> float:
     return sum(r["tokens"] for r in timed[1:]) / (timed[-1]["elapsed_s"] - timed[0]["elapsed_s"])
 
 
-def speed_rows(steps: int, tmp: Path, cache: Path, corpus: Path) -> list[dict]:
-    cfg = load_config(["--config", str(ROOT / "configs" / "train.yaml"), *flags(GPT2)])
+def speed_rows(base: dict, steps: int, compiles: tuple[str, ...], tmp: Path, cache: Path, corpus: Path,
+               device: torch.device) -> list[dict]:
+    cfg = load_config(["--config", str(ROOT / "configs" / "train.yaml"), *flags(base)])
     tokenizer = load_tokenizer(cfg)
     per_token = flops_per_token(build_model(cfg, model_config(cfg, tokenizer)), cfg.max_seq_len)
-    peak = peak_flops(cfg, torch.device("cuda", 0))
+    peak = peak_flops(cfg, device)
     rows = []
-    for compiled in ("false", "true"):
-        values = {**GPT2, "max_steps": steps, "compile": compiled, "data_cache_dir": cache, "dataset": corpus}
+    for compiled in compiles:
+        values = {**base, "max_steps": steps, "compile": compiled, "data_cache_dir": cache, "dataset": corpus}
         for name in ("bare", *entry_points()):
             module = "benchmarks.bare_loop" if name == "bare" else f"{SLUG}.train_{name}"
             records = run(module, values, tmp / f"{name}_{compiled}")
@@ -80,36 +93,41 @@ def speed_rows(steps: int, tmp: Path, cache: Path, corpus: Path) -> list[dict]:
     return rows
 
 
-def memory_rows() -> list[dict]:
-    cfg = load_config(["--config", str(ROOT / "configs" / "train.yaml"), *flags(GPT2)])
+def memory_rows(base: dict, device: torch.device) -> list[dict]:
+    cfg = load_config(["--config", str(ROOT / "configs" / "train.yaml"), *flags(base)])
     config = model_config(cfg, load_tokenizer(cfg))
     rows = []
     for micro in (1, 2, 4, 8, 16):
         try:
-            rows.append({"micro_batch_size": micro,
-                         "peak_mib": round(training_step_peak(cfg, config, micro, torch.device("cuda", 0)) / MIB)})
+            rows.append({"micro_batch_size": micro, "peak_mib": round(training_step_peak(cfg, config, micro, device)
+                                                                      / MIB, 3)})
         except torch.OutOfMemoryError:
             rows.append({"micro_batch_size": micro, "peak_mib": None})
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
-def auto_micro_batch(tmp: Path, cache: Path, corpus: Path) -> str:
-    """What --micro_batch_size auto chose on this GPU, with no budget (a real CUDA OOM decides)."""
-    run(f"{SLUG}.train_pytorch", {**GPT2, "max_steps": 1, "global_batch_size": 256, "micro_batch_size": "auto",
-                                  "data_cache_dir": cache, "dataset": corpus}, tmp / "auto")
+def auto_micro_batch(base: dict, tmp: Path, cache: Path, corpus: Path, budget_mb: float | None) -> str:
+    """What --micro_batch_size auto chose: on a GPU with no budget (a real CUDA OOM decides), on the
+    CPU within `budget_mb`."""
+    values = {**base, "max_steps": 1, "global_batch_size": 256, "micro_batch_size": "auto",
+              "data_cache_dir": cache, "dataset": corpus}
+    if budget_mb is not None:
+        values["memory_budget_mb"] = budget_mb
+    run(f"{SLUG}.train_pytorch", values, tmp / "auto")
     return next(line.strip() for line in (tmp / "auto" / "log.txt").read_text().splitlines() if "(auto:" in line)
 
 
 def two_ranks_on_one_gpu(tmp: Path, cache: Path) -> dict:
-    """The parity matrix's 2x4 cell against 1x1 (the tiny model, fp32), the two ranks on one GPU."""
-    cell = {"report_to": "none", "max_seq_len": 48, "global_batch_size": 16, "max_steps": 8, "warmup_steps": 2,
-            "lr_scheduler_type": "cosine", "ddp_bucket_cap_mb": 0.05, "data_cache_dir": cache, "tf32": "false"}
+    """The parity matrix's 2x4 cell against 1x1 (the tiny model, fp32), the two ranks on one GPU
+    (or both on the CPU)."""
+    cell = {"task": "causal_lm", "report_to": "none", "max_seq_len": 48, "global_batch_size": 16, "max_steps": 8,
+            "warmup_steps": 2, "lr_scheduler_type": "cosine", "ddp_bucket_cap_mb": 0.05, "data_cache_dir": cache,
+            "tf32": "false"}
     one = run(f"{SLUG}.train_pytorch", {**cell, "micro_batch_size": 16}, tmp / "one")
     two = run(f"{SLUG}.train_pytorch", {**cell, "micro_batch_size": 2}, tmp / "two", nproc=2,
               env={"DIST_BACKEND": "gloo"})
-    from safetensors.torch import load_file
-
     a, b = (load_file(tmp / name / "final_model" / "model.safetensors") for name in ("one", "two"))
     return {"max_param_diff": max((a[k] - b[k]).abs().max().item() for k in a),
             "max_loss_diff": max(abs(x["loss"] - y["loss"]) for x, y in zip(one, two, strict=True)),
@@ -117,7 +135,7 @@ def two_ranks_on_one_gpu(tmp: Path, cache: Path) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# GPU check: {result['machine'].get('gpu')}", "",
+    lines = [f"# GPU check: {result['machine'].get('gpu') or 'the CPU (self-test)'}", "",
              "| loop | compile | tokens/s | MFU | vs nanoGPT-style |", "|---|---|---|---|---|"]
     lines += [f"| {r['loop']} | {'on' if r['compile'] else 'off'} | {r['tokens_per_s']:,} | "
               f"{r['mfu']:.1%} | {r['vs_bare']:.3f} |" if r["mfu"] is not None else
@@ -134,23 +152,39 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser(__doc__.splitlines()[0]).parse_args(argv)
-    if not torch.cuda.is_available():
+    cli = parser(__doc__.splitlines()[0])
+    cli.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                     help="cuda: GPU 0 (no GPU: one line, exit 0); cpu: the self-test of every section")
+    args = cli.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no GPU here (torch.cuda.is_available() is False): nothing to measure")
         return 0
-    args.model = "gpt2-small"
-    prepare_model(args)
-    steps = 15 if args.quick else 30
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    base = SETTINGS[args.device]
+    if args.device == "cuda":
+        args.model = "gpt2-small"
+        prepare_model(args)
+    steps = 6 if args.device == "cpu" else 15 if args.quick else 30
+    out = args.results.parent
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"machine": machine(), "device": args.device, "steps": steps}
+
+    def write(key: str, value) -> None:
+        result[key] = value
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         cache, corpus = tmp / "data_cache", tmp / "corpus"
-        write_corpus(corpus, 60_000)  # about 4M tokens: 4k packed blocks of 1024, more than the steps take
-        result = {"machine": machine(), "steps": steps, "speed": speed_rows(steps, tmp, cache, corpus),
-                  "memory": memory_rows(), "auto_micro_batch": auto_micro_batch(tmp, cache, corpus),
-                  "two_ranks_on_one_gpu": two_ranks_on_one_gpu(tmp, cache)}
-    out = args.results.parent
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+        # about 4M tokens on a GPU: 4k packed blocks of 1024, more than the steps take
+        write_corpus(corpus, 60_000 if args.device == "cuda" else 2_000)
+        write("speed", speed_rows(base, steps, ("false", "true") if args.device == "cuda" else ("false",), tmp, cache,
+                                  corpus, device))
+        write("memory", memory_rows(base, device))
+        peaks = {r["micro_batch_size"]: r["peak_mib"] for r in result["memory"]}
+        write("auto_micro_batch", auto_micro_batch(base, tmp, cache, corpus,
+                                                   None if args.device == "cuda" else (peaks[4] + peaks[8]) / 2))
+        write("two_ranks_on_one_gpu", two_ranks_on_one_gpu(tmp, cache))
     (out / "gpu_check.md").write_text(markdown(result))
     print(markdown(result))
     return 0

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from datasets import Dataset, concatenate_datasets
 
 from {{ cookiecutter.project_slug }} import prepare as prepare_module
@@ -24,7 +25,7 @@ from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.data import IGNORE_INDEX, Collator, eval_dataloader
 from {{ cookiecutter.project_slug }}.data_cache import STALE_S, cache_folder
-from {{ cookiecutter.project_slug }}.model import count_targets, load_tokenizer
+from {{ cookiecutter.project_slug }}.model import build_model, count_targets, load_tokenizer, model_config, summed_loss
 from {{ cookiecutter.project_slug }}.prepare import pack, prepare
 from {{ cookiecutter.project_slug }}.sources import check_source, find_source, read_raw
 from {{ cookiecutter.project_slug }}.windows import WindowSampler
@@ -100,13 +101,47 @@ def test_collator_pads_right_and_masks_padding_and_fillers(lm):
     batch = Collator(tokenizer, "causal_lm")(rows)
     lengths = [len(r["input_ids"]) for r in rows]
     assert batch["input_ids"].shape == (7, max(lengths))
+    assert "attention_mask" not in batch  # a causal LM needs none (Collator)
     for row, n in enumerate(lengths[:6]):
-        assert batch["attention_mask"][row].tolist() == [1] * n + [0] * (max(lengths) - n)
         assert (batch["input_ids"][row, n:] == tokenizer.pad_token_id).all()
         assert (batch["labels"][row, n:] == IGNORE_INDEX).all()
         assert batch["labels"][row, :n].tolist() == batch["input_ids"][row, :n].tolist()
     assert (batch["labels"][6] == IGNORE_INDEX).all()  # filler: no targets at all
     assert count_targets(batch["labels"], "causal_lm") == sum(n - 1 for n in lengths[:6])
+    classification = Collator(tokenizer, "sequence_classification")([{**r, "label": 1} for r in rows])
+    for row, n in enumerate(lengths[:6]):  # a model that may attend both ways is told where the padding is
+        assert classification["attention_mask"][row].tolist() == [1] * n + [0] * (max(lengths) - n)
+
+
+@pytest.mark.parametrize("packing", ["false", "true"])
+def test_a_causal_lm_without_the_mask_computes_the_same_and_its_attention_gets_none(packing):
+    """Right padding (or none, packed): causal attention never lets a real token see a pad on its
+    right, so without the mask every real target's loss and every gradient are the same, and the
+    attention receives no mask at all (SDPA's causal path)."""
+    cfg = load_config(["--config", CONFIG, "--task", "causal_lm", "--max_seq_len", "48", "--packing", packing,
+                       "--data_cache_dir", str(DATA_CACHE)])
+    tokenizer = load_tokenizer(cfg)
+    rows = [{**prepare(cfg, tokenizer).data["train"][i], "real": True} for i in range(8)]
+    batch = Collator(tokenizer, "causal_lm")(rows)
+    lengths = torch.tensor([len(r["input_ids"]) for r in rows])
+    mask = (torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]).long()
+    assert (packing == "true") == bool(mask.all())  # packed blocks are full; otherwise padding to mask
+    model = build_model(cfg, model_config(cfg, tokenizer))
+    received = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: received.append(kwargs.get("attention_mask")), with_kwargs=True)
+    results = []
+    for attention_mask in (mask, None):
+        model.zero_grad()
+        extra = {} if attention_mask is None else {"attention_mask": attention_mask}
+        logits = model(input_ids=batch["input_ids"], **extra).logits
+        loss = summed_loss(logits, batch["labels"], "causal_lm") / count_targets(batch["labels"], "causal_lm")
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (with_mask, grads_with), (without, grads_without) = results
+    assert abs(with_mask - without) <= 1e-6
+    assert max((grads_with[n] - grads_without[n]).abs().max().item() for n in grads_with) <= 1e-6
+    assert received[-1] is None
 
 
 @pytest.mark.parametrize("world_size,batch_size", [(3, 8), (3, 1), (8, 1), (2, 7)])

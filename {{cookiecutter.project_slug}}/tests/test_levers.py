@@ -166,7 +166,7 @@ def test_fsdp_trains_like_ddp(runs, tmp_path):
 
 
 FSDP2_NORM = """
-import copy, torch, torch.distributed as dist
+import copy, os, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from {{ cookiecutter.project_slug }}.distributed import full_norm
@@ -185,8 +185,10 @@ clipped = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
 assert isinstance(clipped, DTensor) and isinstance(local, DTensor)
 record = step_values(torch.tensor(3.0), clipped, 4.0, 0.1, 1)["grad_norm"]
 shards = torch.nn.utils.get_total_norm([p.grad.to_local() for p in model.parameters()]).item()
-print(dist.get_rank(), record, full_norm(local).item(), shards, expected, flush=True)
-dist.destroy_process_group()
+# one write per line (print writes its parts one by one, and the 2 ranks share torchrun's stdout)
+os.write(1, f"{dist.get_rank()} {record} {full_norm(local).item()} {shards} {expected}\\n".encode())
+dist.barrier()
+os._exit(0)  # not the group's teardown: after FSDP2, gloo's now and then aborts the interpreter's exit
 """
 
 

@@ -31,9 +31,15 @@ class _Marked(Dataset):
 
 
 class Collator:
-    """Pads input_ids on the right with the pad token; attention_mask marks the real tokens.
-    Labels: for causal_lm the input_ids themselves (summed_loss shifts them), -100 on padding; for
-    classification each example's label. A filler example's labels are all -100."""
+    """Pads input_ids on the right with the pad token. Labels: for causal_lm the input_ids
+    themselves (summed_loss shifts them), -100 on padding; for classification each example's label.
+    A filler example's labels are all -100.
+
+    attention_mask (1 on the real tokens) only for classification, where the model may attend both
+    ways. A causal LM gets none: causal attention never lets a real token see the padding on its
+    right (packed blocks have none), so no real token's output changes, and without a mask SDPA
+    takes its causal path (the flash kernel, no dense mask, no host check of the mask per forward).
+    """
 
     def __init__(self, tokenizer, task: str):
         self.pad_token_id, self.task = tokenizer.pad_token_id, task
@@ -45,11 +51,13 @@ class Collator:
         for row, f in enumerate(features):
             input_ids[row, :len(f["input_ids"])] = torch.as_tensor(f["input_ids"])
             attention_mask[row, :len(f["input_ids"])] = 1
+        filler = ~torch.tensor([f.get("real", True) for f in features])
         if self.task == "causal_lm":
             labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
-        else:
-            labels = torch.tensor([f["label"] for f in features], dtype=torch.long)
-        labels[~torch.tensor([f.get("real", True) for f in features])] = IGNORE_INDEX
+            labels[filler] = IGNORE_INDEX
+            return {"input_ids": input_ids, "labels": labels}
+        labels = torch.tensor([f["label"] for f in features], dtype=torch.long)
+        labels[filler] = IGNORE_INDEX
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
