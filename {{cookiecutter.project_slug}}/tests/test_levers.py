@@ -7,11 +7,12 @@ import subprocess
 import pytest
 import torch
 import torch.distributed as dist
+from accelerate.utils import FullyShardedDataParallelPlugin
 
 from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.distributed import DistEnv, init_distributed
 from {{ cookiecutter.project_slug }}.memory import MIB, training_step_peak
-from {{ cookiecutter.project_slug }}.model import load_tokenizer, model_config
+from {{ cookiecutter.project_slug }}.model import fsdp_mixed_precision, load_tokenizer, model_config
 from {{ cookiecutter.project_slug }}.prepare import prepare
 
 from conftest import (
@@ -164,6 +165,22 @@ def test_fsdp_trains_like_ddp(runs, tmp_path):
     report(f"FSDP vs DDP (2 GPUs x accumulation 4): max |param diff| {diff:.3g}")
     assert diff <= TOL.param
 
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fsdp_reduces_and_accumulates_gradients_in_fp32(precision):
+    """train_accelerate's FSDP plugin under mixed precision: the forward in bf16/fp16, the gradient
+    reduce (and with it the accumulation of unsynchronised micro-steps) in fp32; Accelerate keeps
+    the policy when it applies its own mixed precision. (FSDP runs on GPUs only.)"""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    cfg = load_config(["--config", CONFIG, "--mixed_precision", precision])
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=fsdp_mixed_precision(cfg))
+    plugin.set_mixed_precision(precision)  # as AcceleratorState does
+    policy = plugin.mixed_precision_policy
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (dtype, torch.float32, dtype)
+    assert fsdp_mixed_precision(load_config(["--config", CONFIG])) is None
 
 FSDP2_NORM = """
 import copy, os, torch, torch.distributed as dist

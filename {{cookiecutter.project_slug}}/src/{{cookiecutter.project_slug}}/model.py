@@ -105,6 +105,16 @@ def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
     return model
 
 
+def fsdp_mixed_precision(cfg: TrainConfig) -> dict | None:
+    """FSDP2's precision policy under mixed precision: the forward in bf16/fp16, gradients reduced
+    in fp32, which is also where FSDP2 accumulates a window's unsynchronised micro-steps (its
+    default, the forward's dtype, would sum them in bf16). None in fp32."""
+    if cfg.mixed_precision == "no":
+        return None
+    dtype = AMP_DTYPES[cfg.mixed_precision]
+    return {"param_dtype": dtype, "reduce_dtype": torch.float32, "output_dtype": dtype}
+
+
 def autocast_for(cfg: TrainConfig, device: torch.device):
     """The forward pass's autocast for `mixed_precision` (a no-op context for "no"). The weights,
     gradients and optimizer state stay fp32; the loss is computed in fp32 (summed_loss)."""

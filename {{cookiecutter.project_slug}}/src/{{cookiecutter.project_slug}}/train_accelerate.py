@@ -31,6 +31,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     TorchDynamoPlugin,
@@ -40,7 +41,7 @@ from .cli import run_cli
 from .config import TrainConfig
 from .distributed import sync_counter_for
 from .evaluation import evaluate
-from .model import build_model, summed_loss
+from .model import build_model, fsdp_mixed_precision, summed_loss
 from .optim import build_optimizer, build_scheduler
 from .session import Session
 from .speed import COMPILE
@@ -114,6 +115,9 @@ def train(cfg: TrainConfig) -> None:
         kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb, broadcast_buffers=False),
                          GradScalerKwargs(init_scale=cfg.fp16_init_scale)],
         deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=run.deepspeed) if run.deepspeed else None,
+        # FSDP (configs/accelerate/fsdp.yaml) with gradients reduced and accumulated in fp32
+        fsdp_plugin=FullyShardedDataParallelPlugin(mixed_precision_policy=fsdp_mixed_precision(cfg))
+        if run.launch.fsdp and cfg.mixed_precision != "no" else None,
         dynamo_plugin=TorchDynamoPlugin(**COMPILE) if cfg.compile else None,  # compiled in prepare()
     )
     if accelerator.process_index != env.rank:  # DeepSpeed on CPU (see the module docstring)
