@@ -2,7 +2,10 @@
 checkpointing, the optimizers and schedules, FSDP, and the micro batch found from memory
 (`--micro_batch_size auto`). README, "Memory levers"."""
 
+import json
 import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from conftest import (
     DATA_CACHE,
     ENTRIES,
     GPUS,
+    LAUNCH_TIMEOUT_S,
     MIXED_PRECISION,
     ROOT,
     TOL,
@@ -172,8 +176,6 @@ def test_fsdp_reduces_and_accumulates_gradients_in_fp32(precision):
     """train_accelerate's FSDP plugin under mixed precision: the forward in bf16/fp16, the gradient
     reduce (and with it the accumulation of unsynchronised micro-steps) in fp32; Accelerate keeps
     the policy when it applies its own mixed precision. (FSDP runs on GPUs only.)"""
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
     cfg = load_config(["--config", CONFIG, "--mixed_precision", precision])
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=fsdp_mixed_precision(cfg))
     plugin.set_mixed_precision(precision)  # as AcceleratorState does
@@ -236,9 +238,11 @@ def test_auto_micro_batch_is_the_largest_that_fits(runs, entry):
     micro 4 x accumulation 4, exactly as a run told micro 4 (the first entry point's: the entry
     points train bitwise alike, test_parity.py)."""
     cfg, config = config_for()
-    peak4, peak8 = (training_step_peak(cfg, config, size, DEVICE) for size in (4, 8))
-    budget_mb = (peak4 + peak8) / 2 / MIB
     flags = {"global_batch_size": 32, "max_steps": 3}
+    # as the search on 2 processes measures them: DDP's buckets, the window's micro-batches
+    peak4, peak8 = (training_step_peak(cfg, config, size, DEVICE, ddp=True, accumulation=32 // 2 // size)
+                    for size in (4, 8))
+    budget_mb = (peak4 + peak8) / 2 / MIB
     auto = runs(entry, 2, micro_batch_size="auto", memory_budget_mb=f"{budget_mb:.6f}", **flags)
     told = runs(ENTRIES[0], 2, micro_batch_size=4, **flags)
     assert [(r["grad_accum_steps"], r["micro_steps"]) for r in auto.steps] == [(4, 4)] * 3
@@ -248,6 +252,54 @@ def test_auto_micro_batch_is_the_largest_that_fits(runs, entry):
            f"micro 8 {peak8 / MIB:.2f} MiB): chose 4; vs {ENTRIES[0]} told 4: max |param diff| {diff:.3g}")
     assert diff == 0
 
+
+
+# The entry point with its optimizer steps 2-4 measured as the probe measures one (memory.peak_bytes:
+# on CPU LiveBytes over the parameters, gradients, optimizer state and whatever the step allocates).
+MEASURED_STEPS = textwrap.dedent("""
+    import importlib, json, os, sys
+    import torch
+    from {{ cookiecutter.project_slug }}.memory import peak_bytes
+
+    entry_name = sys.argv.pop(1)
+    entry = importlib.import_module("{{ cookiecutter.project_slug }}.train_" + entry_name)
+    original, peaks = entry.train_step, {}
+
+    def measured(*args, **kwargs):
+        model, window, optimizer = args[0 if entry_name == "pytorch" else 1], args[2], args[3]
+        if not 2 <= window.step <= 4:
+            return original(*args, **kwargs)
+        values = []
+        device = next(model.parameters()).device
+        peaks[window.step] = peak_bytes(lambda: values.append(original(*args, **kwargs)), device, model, optimizer)
+        with open(os.environ["PEAKS_FILE"], "w") as f:
+            json.dump(peaks, f)
+        return values[0]
+
+    entry.train_step = measured
+    entry.main()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", [e for e in ("pytorch", "accelerate") if e in ENTRIES])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_micro_batch_probe_sees_the_peak_of_real_steps(env, tmp_path, entry, optimizer):
+    """The probe behind --micro_batch_size auto against the peak of the entry point's own optimizer
+    steps 2-4 (optimizer state, accumulated gradients): never below it, at most 15 % above."""
+    flags = {"optimizer": optimizer, "micro_batch_size": 4, "global_batch_size": 16, "max_steps": 4}
+    script, peaks_file = tmp_path / "measured_steps.py", tmp_path / "peaks.json"
+    script.write_text(MEASURED_STEPS)
+    cmd = [sys.executable, str(script), entry, *flag_args(flags), "--output_dir", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env, "PEAKS_FILE": str(peaks_file)}, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = max(json.loads(peaks_file.read_text()).values())
+    cfg, config = config_for("--optimizer", optimizer)
+    probe = training_step_peak(cfg, config, 4, DEVICE, accumulation=4)  # as the auto search calls it here
+    report(f"micro batch probe ({entry}, {optimizer}, micro 4, accumulation 4): probe {probe / MIB:.3f} MiB, "
+           f"real steps 2-4 at most {real / MIB:.3f} MiB ({probe / real:.3f}x)")
+    assert real <= probe <= 1.15 * real
 
 @pytest.mark.parametrize("backend,bound", [(None, True), ("gloo", False)], ids=["nccl", "gloo_by_DIST_BACKEND"])
 def test_a_gpu_rank_joins_nccl_bound_to_its_gpu(monkeypatch, backend, bound):

@@ -4,6 +4,7 @@ no allocator statistics there). Used by `--micro_batch_size auto` and benchmarks
 docs/memory.md says what each number counts.
 """
 
+import math
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -14,6 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .batch import largest_fitting
 from .config import TrainConfig
+from .data import IGNORE_INDEX
 from .distributed import DistEnv, all_reduce_min
 from .errors import ConfigError
 from .model import autocast_for, build_model, summed_loss
@@ -88,23 +90,37 @@ def worst_case_batch(cfg: TrainConfig, model_config, size: int, device: torch.de
             "labels": torch.zeros(size, dtype=torch.long, device=device)}
 
 
-def training_step_peak(cfg: TrainConfig, model_config, size: int, device: torch.device) -> int:
-    """Peak bytes of one micro-step at micro batch `size` and the optimizer step after it, on a
-    fresh model: parameters, gradients, optimizer state and activations (gradient checkpointing
-    and mixed precision as configured). Raises torch.OutOfMemoryError where it does not fit."""
+def training_step_peak(cfg: TrainConfig, model_config, size: int, device: torch.device, ddp: bool = False,
+                       accumulation: int = 2) -> int:
+    """Peak bytes of a training window at micro batch `size` as every window after the first has it:
+    the optimizer's state already there (a first window makes it), two micro-steps (the second's
+    backward with the first's gradients held), clipping and the optimizer step; parameters,
+    gradients, activations (gradient checkpointing and mixed precision as configured) and the
+    micro-batches: on the CPU the window's `accumulation` of them at once, as its loader collates
+    them, on a GPU the current one and the next. `ddp`: plus DDP's gradient buckets, a second copy
+    of the gradients. Raises torch.OutOfMemoryError where it does not fit."""
     model = build_model(cfg, model_config).to(device)
     optimizer = build_optimizer(model, cfg, device)
-    batch = worst_case_batch(cfg, model_config, size, device)
-    labels = batch.pop("labels")
+    held = 2 if device.type == "cuda" else max(2, accumulation)
 
-    def step() -> None:
-        with autocast_for(cfg, device):
-            logits = model(**batch).logits
-        summed_loss(logits, labels, cfg.task).backward()
+    def window() -> None:
+        batches = [worst_case_batch(cfg, model_config, size, device) for _ in range(held)]
+        loss_sum = targets = 0
+        for batch in batches[:2]:
+            labels = batch.pop("labels")
+            with autocast_for(cfg, device):
+                logits = model(**batch).logits
+            loss = summed_loss(logits, labels, cfg.task)
+            loss.backward()
+            loss_sum, targets = loss_sum + loss.detach(), targets + (labels != IGNORE_INDEX).sum()  # as the loops
+        if cfg.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return peak_bytes(step, device, model, optimizer)
+    window()
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if ddp else 0
+    return peak_bytes(window, device, model, optimizer) + buckets
 
 
 def check_auto_micro_batch(cfg: TrainConfig, env: DistEnv) -> None:
@@ -129,7 +145,8 @@ def auto_micro_batch_size(cfg: TrainConfig, model_config, env: DistEnv, at_most:
 
     def fits(size: int) -> bool:
         try:
-            peak = training_step_peak(cfg, model_config, size, env.device)
+            peak = training_step_peak(cfg, model_config, size, env.device, ddp=env.world_size > 1,
+                                      accumulation=math.ceil(cfg.global_batch_size / env.world_size / size))
         except torch.OutOfMemoryError:
             peaks[size] = "out of memory"
             return False
