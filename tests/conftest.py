@@ -59,7 +59,7 @@ def baked(cookies_session):
     return bake
 
 
-GENERATED_SUITE_TIMEOUT_S = 3600  # the default bake's slow tier: about 34 minutes on a 2-core VM beside the rest
+GENERATED_SUITE_TIMEOUT_S = 3600  # the default bake's slow tier: about 13 minutes on a 2-core VM beside the rest
 
 # The task only sets the generated config's default: the whole suite runs on the default bake (its
 # slow tier here; its fast tier is the CI workflow's `make test`, which test_team runs in the same

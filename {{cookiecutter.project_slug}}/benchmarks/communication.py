@@ -28,7 +28,7 @@ from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.distributed import GradSyncCounter, cleanup, dist_env, init_distributed, wrap_ddp
 from {{ cookiecutter.project_slug }}.memory import worst_case_batch
 from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
-from {{ cookiecutter.project_slug }}.noise import NoiseScale
+from {{ cookiecutter.project_slug }}.noise import NoiseScale, read_norms
 from {{ cookiecutter.project_slug }}.optim import build_optimizer
 
 from .common import (
@@ -71,7 +71,8 @@ def measure(model, cfg, env, config, grad_accum_steps: int, no_sync: bool, steps
 def noise_cost(model, cfg, env, config, pairs: int) -> dict:
     """What the gradient noise scale costs: optimizer steps of 4 micro-steps (no_sync), alternately
     with and without its statistics (the hook's two squared norms per bucket, then
-    noise.NoiseScale's all-reduce and estimate), ABAB so that drift hits both alike; median seconds."""
+    noise.read_norms' all-reduce and the estimate; in training the sum rides in the step's one
+    all-reduce), ABAB so that drift hits both alike; median seconds."""
     ddp_model = wrap_ddp(model, env, cfg.ddp_bucket_cap_mb)
     counter, noise = GradSyncCounter(ddp_model), NoiseScale()
     optimizer = build_optimizer(model, cfg, env.device)
@@ -84,7 +85,8 @@ def noise_cost(model, cfg, env, config, pairs: int) -> dict:
         start = clock(env.device)
         optimizer_step(ddp_model, window, optimizer, cfg, env.device)
         if on:
-            noise.update(*counter.take_norms(), cfg.micro_batch_size * len(window) * WORLD_SIZE, WORLD_SIZE)
+            examples = cfg.micro_batch_size * len(window) * WORLD_SIZE
+            noise.update(*read_norms(*counter.take_norms(), WORLD_SIZE), examples, WORLD_SIZE)
         seconds[on].append(clock(env.device) - start)
     with_it, without = statistics.median(seconds[True]), statistics.median(seconds[False])
     return {"grad_accum_steps": len(window), "with_s": round(with_it, 5), "without_s": round(without, 5),

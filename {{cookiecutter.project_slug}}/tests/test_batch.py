@@ -167,7 +167,7 @@ NOISE_SCRIPT = textwrap.dedent("""
     import json, sys
     import torch, torch.distributed as dist
     from {{ cookiecutter.project_slug }}.distributed import GradSyncCounter, dist_env, init_distributed, wrap_ddp
-    from {{ cookiecutter.project_slug }}.noise import NoiseScale
+    from {{ cookiecutter.project_slug }}.noise import NoiseScale, read_norms
 
     env = dist_env()
     init_distributed(env, 60, 60)
@@ -189,7 +189,7 @@ NOISE_SCRIPT = textwrap.dedent("""
         residual = ddp(x[rows]).squeeze(1) - y[rows]
         # as the entry points scale it: the rank's summed loss / the global batch x world_size
         (0.5 * residual.square().sum() * env.world_size / batch).backward()
-        values = noise.update(*counter.take_norms(), batch, env.world_size)
+        values = noise.update(*read_norms(*counter.take_norms(), env.world_size), batch, env.world_size)
         sq_norms.append(values["grad_sq_norm"])
         traces.append(values["grad_trace"])
         smoothed = values.get("grad_noise_scale", smoothed)

@@ -188,8 +188,7 @@ FSDP2_NORM = """
 import copy, os, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from {{ cookiecutter.project_slug }}.distributed import full_norm
-from {{ cookiecutter.project_slug }}.windows import step_values
+from {{ cookiecutter.project_slug }}.distributed import full_norm, sum_and_read
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
@@ -202,7 +201,7 @@ expected = torch.nn.utils.get_total_norm([p.grad for p in whole.parameters()]).i
 local = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
 clipped = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
 assert isinstance(clipped, DTensor) and isinstance(local, DTensor)
-record = step_values(torch.tensor(3.0), clipped, 4.0, 0.1, 1)["grad_norm"]
+record = sum_and_read([torch.tensor(3.0)], [clipped])[1]  # as Session.read_step reads the record's norm
 shards = torch.nn.utils.get_total_norm([p.grad.to_local() for p in model.parameters()]).item()
 # one write per line (print writes its parts one by one, and the 2 ranks share torchrun's stdout)
 os.write(1, f"{dist.get_rank()} {record} {full_norm(local).item()} {shards} {expected}\\n".encode())

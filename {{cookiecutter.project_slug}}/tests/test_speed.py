@@ -1,6 +1,11 @@
 """The speed levers with accumulation: torch.compile trains as eager does, still all-reduces once
 per bucket per optimizer step, and compiles once (no_sync() toggling, padded lengths, a short
-last window and a filler micro-batch recompile nothing); and the MFU every record carries."""
+last window and a filler micro-batch recompile nothing); the MFU every record carries; and each
+optimizer step waits on the device once (sync_counting.py counts)."""
+
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -23,11 +28,14 @@ from {{ cookiecutter.project_slug }}.windows import WindowSampler
 from conftest import (
     ACCUM,
     ENTRIES,
+    LAUNCH_TIMEOUT_S,
     ROOT,
+    SLUG,
     TASK,
     TOL,
     cell,
     flag_args,
+    free_port,
     max_abs_diff,
     max_loss_diff,
     report,
@@ -161,3 +169,65 @@ def test_every_record_carries_its_mfu_where_the_peak_is_known(env, tmp_path):
     assert " | mfu " in last  # the progress line shows it too
     report(f"mfu's FLOPs at the examples' own lengths vs max_seq_len {cfg.max_seq_len}'s: "
            f"{', '.join(f'{share:.3f}' for share in shares)} of it")
+
+
+# What the libraries read of the device in each step of a default run, and why it stays theirs.
+LIBRARY_READS = {
+    # the optimizer's step counters: host tensors on a GPU too (AdamW neither fused nor capturable)
+    "torch/optim/optimizer.py:_get_value",
+    # without an attention mask, transformers checks position_ids for packed sequences once per
+    # forward (eagerly; under torch.compile the check is traced, no read)
+    "transformers/masking_utils.py:find_packed_sequence_indices",
+}
+# The Trainer's own per-step reads and collectives: its logged loss and grad_norm (.item()), its
+# FLOP count's all-gather, num_items_in_batch gathered across ranks (average_tokens_across_devices)
+TRAINER_READS = {"transformers/trainer.py:_maybe_log_save_evaluate", "transformers/trainer.py:store_flos"}
+TRAINER_COLLECTIVES = {"accelerate/utils/operations.py:_gpu_gather_one",
+                       "transformers/trainer_pt_utils.py:distributed_concat",
+                       "transformers/trainer_pt_utils.py:distributed_broadcast_scalars"}
+
+
+def counted_steps(entry: str, out, env: dict, flags: dict) -> list[dict]:
+    """Rank 0's per-step counts of 2 processes of `entry` under sync_counting.py."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(ROOT / "tests" / "sync_counting.py"), str(out / "counts"),
+           f"{SLUG}.train_{entry}", *flag_args(flags), "--output_dir", str(out / "run")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "counts.rank0.json").read_text())
+
+
+def ours(counts: dict) -> int:
+    return sum(n for site, n in counts.items() if site.startswith(f"{SLUG}/"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_each_optimizer_step_reads_the_device_once_and_runs_one_small_collective(entry, env, tmp_path):
+    """2 processes, accumulation 4, DDP with the noise scale: from the third step on (the first two
+    build DDP's buckets), each step's loss, gradient norm, preemption flag and noise-scale norms
+    travel in one blocking all-reduce and come back in one read; the targets are counted on the
+    host. Everything else that reads the device or waits on the ranks is named as the library's."""
+    steps = counted_steps(entry, tmp_path, env, {**ACCUM, "eval_every": 1000})
+    assert len(steps) == ACCUM["max_steps"]
+    for step in steps[2:]:
+        reads, collectives = step["reads"], step["collectives"]
+        assert (ours(reads), ours(collectives)) == (1, 1), step
+        library_reads = {site for site in reads if not site.startswith(f"{SLUG}/")}
+        library_collectives = {site for site in collectives if not site.startswith(f"{SLUG}/")}
+        assert library_reads <= LIBRARY_READS | (TRAINER_READS if entry == "trainer" else set()), step
+        assert library_collectives <= (TRAINER_COLLECTIVES if entry == "trainer" else set()), step
+    report(f"syncs per step {entry}: " + json.dumps(steps[-1], sort_keys=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if e != "trainer"][:1])  # the retry is the hand loops'
+def test_the_out_of_memory_retry_adds_one_collective_before_the_synchronising_micro_step(entry, env, tmp_path):
+    """micro_batch_size auto: the ranks agree that no micro-step ran out of memory before the
+    window's synchronising one (so that a failed window is dropped before it can fail there): one
+    more all-reduce and read per step, from the retry, and nothing else."""
+    flags = {**ACCUM, "eval_every": 1000, "micro_batch_size": "auto", "memory_budget_mb": 100000}
+    for step in counted_steps(entry, tmp_path, env, flags)[2:]:
+        reads, collectives = step["reads"], step["collectives"]
+        assert (ours(reads), ours(collectives)) == (2, 2), step
+        assert reads.get(f"{SLUG}/distributed.py:ranks_with") == 1, step

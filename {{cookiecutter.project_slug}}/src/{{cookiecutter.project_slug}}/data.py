@@ -5,6 +5,8 @@ evaluation loader's shard of every rank. Which examples each step takes: windows
 
 import math
 
+import numpy as np
+import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -37,8 +39,9 @@ class Collator:
 
     attention_mask (1 on the real tokens) only for classification, where the model may attend both
     ways. A causal LM gets none: causal attention never lets a real token see the padding on its
-    right (packed blocks have none), so no real token's output changes, and without a mask SDPA
-    takes its causal path (the flash kernel, no dense mask, no host check of the mask per forward).
+    right (packed blocks have none), so no real token's output changes, and without a mask an eager
+    model hands SDPA `is_causal=True` and no dense mask (the flash kernel on GPUs). Under
+    torch.compile transformers cannot take that shortcut (docs/performance.md).
     """
 
     def __init__(self, tokenizer, task: str):
@@ -90,3 +93,13 @@ def eval_dataloader(eval_set, rank: int, world_size: int, batch_size: int,
     per_rank = math.ceil(math.ceil(len(eval_set) / world_size) / batch_size)
     batches += [[(0, False)]] * (per_rank - len(batches))
     return DataLoader(_Marked(eval_set), batch_sampler=batches, collate_fn=collator, **loading_kwargs)
+
+
+def example_sizes(dataset, task: str) -> tuple[np.ndarray, np.ndarray]:
+    """Each example's tokens (a packed block: max_seq_len) and real targets (what count_targets
+    finds in its collated labels: each next token, or its one label), from the prepared data's list
+    offsets: no pass over the tokens."""
+    lengths = pc.list_value_length(dataset.data.column("input_ids")).to_numpy()
+    if task == "causal_lm":
+        return lengths, np.maximum(lengths.astype(np.int64) - 1, 0)
+    return lengths, np.ones(len(lengths), dtype=np.int64)

@@ -168,7 +168,8 @@ class PreemptionSignal:
     The SLURM scripts ask SLURM for it before the time limit (`#SBATCH --signal=B:USR1@...`) and
     pass it on to every training process; the launchers in between (torchrun, accelerate launch)
     ignore it. The processes may get it on either side of a step boundary, so they agree at each
-    boundary: one tiny all-reduce, and every rank stops after the same step.
+    boundary: the flag travels in the step's one all-reduce (Session.read_step), and every rank
+    stops after the same step.
     """
 
     def __init__(self) -> None:
@@ -177,10 +178,6 @@ class PreemptionSignal:
 
     def _handle(self, signum, frame) -> None:
         self.received = True
-
-    def agreed(self, device: torch.device) -> bool:
-        """True on every rank when any rank has received the signal."""
-        return ranks_with(self.received, device) > 0
 
 
 def ranks_with(flag: bool, device: torch.device) -> int:
@@ -193,6 +190,22 @@ def full_norm(norm: torch.Tensor) -> torch.Tensor:
     their norm, which `.tolist()` and a `torch.stack` with plain tensors refuse; its full tensor is
     the whole model's norm (the norm of this rank's shards alone is a part of it)."""
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def sum_and_read(summed: list, kept: list) -> list[float]:
+    """The values of `summed`, each summed over the ranks, then those of `kept` (this rank's), as
+    floats: one all-reduce and one read of the device for all of them. Numbers and tensors mix;
+    a number goes to the device as a fill (a copy from the host would wait for the device), a
+    gradient norm under FSDP2 as its full tensor (full_norm)."""
+    device = next((v.device for v in summed + kept if isinstance(v, torch.Tensor)), torch.device("cpu"))
+
+    def scalar(value) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            return full_norm(value).to(device, torch.float64).reshape(())
+        return torch.full((), float(value), dtype=torch.float64, device=device)
+
+    return torch.cat([all_reduce_sum(torch.stack([scalar(v) for v in summed])),
+                      torch.stack([scalar(v) for v in kept])]).tolist()
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

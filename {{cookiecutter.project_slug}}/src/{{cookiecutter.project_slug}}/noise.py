@@ -6,7 +6,7 @@ estimator and says how to read it.
 
 import torch
 
-from .distributed import all_reduce_sum
+from .distributed import sum_and_read
 
 
 class NoiseScale:
@@ -21,20 +21,18 @@ class NoiseScale:
     def state(self) -> list[float]:
         return [self.sq_norm, self.trace]
 
-    def update(self, local_sq: torch.Tensor | None, reduced_sq: torch.Tensor | None, examples: int,
-               world_size: int) -> dict:
-        """One optimizer step's estimates from this rank's squared gradient norm before the
-        all-reduce (`local_sq`) and after it (`reduced_sq`), for `examples` in the global batch.
-        Returns the record's `grad_sq_norm` and `grad_trace` (this step's) and `grad_noise_scale`
-        (smoothed) once both averages are positive; nothing without two ranks or a synchronised step."""
+    def update(self, local_sq: float | None, reduced_sq: float | None, examples: int, world_size: int) -> dict:
+        """One optimizer step's estimates from the ranks' mean squared gradient norm before the
+        all-reduce (`local_sq`) and the squared norm after it (`reduced_sq`), for `examples` in the
+        global batch. Returns the record's `grad_sq_norm` and `grad_trace` (this step's) and
+        `grad_noise_scale` (smoothed) once both averages are positive; nothing without two ranks or a
+        synchronised step."""
         if local_sq is None or world_size < 2:
             return {}
-        local_sq = all_reduce_sum(local_sq.detach().double().clone()) / world_size  # the ranks' mean
-        small, big = torch.stack([local_sq, reduced_sq.detach().double()]).tolist()
         b_big = float(examples)
         b_small = b_big / world_size
-        sq_norm = (b_big * big - b_small * small) / (b_big - b_small)
-        trace = (small - big) / (1 / b_small - 1 / b_big)
+        sq_norm = (b_big * reduced_sq - b_small * local_sq) / (b_big - b_small)
+        trace = (local_sq - reduced_sq) / (1 / b_small - 1 / b_big)
         keep = self.smoothing
         self.sq_norm = keep * self.sq_norm + (1 - keep) * sq_norm
         self.trace = keep * self.trace + (1 - keep) * trace
@@ -42,3 +40,13 @@ class NoiseScale:
         if self.sq_norm > 0 and self.trace > 0:  # the bias of the averages' zero start cancels here
             values["grad_noise_scale"] = self.trace / self.sq_norm
         return values
+
+
+def read_norms(local_sq: torch.Tensor | None, reduced_sq: torch.Tensor | None,
+               world_size: int) -> tuple[float | None, float | None]:
+    """GradSyncCounter.take_norms' pair as NoiseScale.update takes it, with an all-reduce and a read
+    of their own (the training loops fold both into their step's one: Session.read_step)."""
+    if local_sq is None:
+        return None, None
+    local_sum, reduced = sum_and_read([local_sq], [reduced_sq])
+    return local_sum / world_size, reduced

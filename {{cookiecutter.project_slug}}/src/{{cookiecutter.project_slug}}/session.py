@@ -6,13 +6,10 @@ noise scale — and decides when to evaluate, checkpoint and stop. What the job 
 frozen `startup.Run` it is built from.
 """
 
-import functools
 import math
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-import pyarrow.compute as pc
 import torch
 
 from .checkpoint import (
@@ -24,8 +21,8 @@ from .checkpoint import (
     write_atomically,
     write_final,
 )
-from .data import Collator, eval_dataloader, loading, train_dataloader
-from .distributed import print0
+from .data import Collator, eval_dataloader, example_sizes, loading, train_dataloader
+from .distributed import print0, sum_and_read
 from .errors import JobFailed
 from .noise import NoiseScale
 from .speed import compiled_graphs, flop_counts, matmul_precision, numel, training_flops
@@ -38,10 +35,13 @@ class Session:
     """The loop's handle: `for window in session.windows(loader)`, then `log_step`, `eval_due`,
     `save_due`, `should_stop`, and at the end `save_model` (or `save_final`) and `done`."""
 
-    def __init__(self, run: Run, model: torch.nn.Module, accelerator=None):
+    def __init__(self, run: Run, model: torch.nn.Module, accelerator=None, sync_counter=None):
         """Announce the run (rank 0) and start its record; `model` is the whole, unwrapped model
-        (its FLOPs per token give every step's mfu). W&B goes through `accelerator` when given."""
+        (for mfu). W&B goes through `accelerator` when given; `sync_counter`: DDP's GradSyncCounter."""
         self.run, self.cfg, self.env = run, run.cfg, run.env
+        self.sync_counter = sync_counter
+        self.stop_signalled = False  # any rank got the preemption signal, as of the latest step's read
+        self.noise_norms: tuple[float | None, float | None] = (None, None)  # the latest step's, for the noise scale
         self.sampler = run.sampler()
         self.retry = MicroBatchRetry(run.adaptive, run.env, Path(run.cfg.output_dir) / AUTO_CEILING, self.sampler,
                                      run.ceiling)
@@ -51,6 +51,7 @@ class Session:
         self.stop_reason = ""
         self.last_elapsed_s = 0.0
         self.flop_counts = flop_counts(model)
+        self.input_lengths, self.example_targets = example_sizes(run.data["train"], self.cfg.task)
         self._announce(model)
         self.tracker = Tracker(self.cfg, self.env, run.plan, run.total_steps, run.start_step, run.resume is not None,
                                accelerator)
@@ -127,11 +128,23 @@ class Session:
     def state(self, step: int) -> dict:
         return self.run.state(step, self.plan.micro_batch_size, self.retry.ceiling, self.noise.state())
 
-    @functools.cached_property
-    def input_lengths(self) -> np.ndarray:
-        """Tokens of each training example (a packed block: max_seq_len), from the prepared data's
-        list offsets: no pass over the tokens."""
-        return pc.list_value_length(self.run.data["train"].data.column("input_ids")).to_numpy()
+    def targets(self, window: Window) -> int:
+        """The real targets of the whole window on every rank (at least 1): what each micro-step's
+        summed loss is divided by. Counted on the host from the step's examples: no device read."""
+        return max(int(self.example_targets[window.examples].sum()), 1)
+
+    def read_step(self, loss_sum: torch.Tensor, grad_norm, num_targets: int, lr: float, micro_steps: int) -> dict:
+        """A step's record values in one collective and one device read: the ranks' summed loss,
+        preemption flags and (DDP) squared gradient norms, with the gradient norm and the averaged
+        gradient's squared norm (the same on every rank, so a non-finite step is skipped alike)."""
+        local_sq, reduced_sq = self.sync_counter.take_norms() if self.sync_counter else (None, None)
+        loss_total, signalled, local, reduced, norm = sum_and_read(
+            [loss_sum, self.run.preemption.received, 0.0 if local_sq is None else local_sq],
+            [0.0 if reduced_sq is None else reduced_sq, grad_norm])
+        self.stop_signalled = signalled > 0
+        self.noise_norms = (None, None) if local_sq is None else (local / self.env.world_size, reduced)
+        return {"loss": loss_total / num_targets, "lr": lr, "grad_norm": norm, "tokens": num_targets,
+                "micro_steps": micro_steps}
 
     def _record(self, window: Window, values: dict) -> dict:
         """The metrics.jsonl object of an optimizer step, with its MFU where the peak is known:
@@ -153,18 +166,17 @@ class Session:
             record["compiled_graphs"] = compiled_graphs()
         return record
 
-    def log_step(self, window: Window, values: dict, sync_counter=None) -> None:
+    def log_step(self, window: Window, values: dict) -> None:
         """Record the window's optimizer step (metrics.jsonl, W&B, the progress line) and count it in
         this job; a run whose steps keep being non-finite stops here (JobFailed, exit code 3)."""
-        if sync_counter is not None:
-            values["grad_sync_calls"] = sync_counter.take()
-            local, reduced = sync_counter.take_norms()
+        if self.sync_counter is not None:
+            values["grad_sync_calls"] = self.sync_counter.take()
             # estimated where every rank's gradient is of the same number of examples (not in an
             # epoch's uneven last window); not under fp16, whose loss scale changes the units
             examples = len(window.examples)
             even = examples % self.env.world_size == 0 and self.cfg.ddp_no_sync
             if even and self.cfg.mixed_precision != "fp16" and not values.get("step_skipped"):
-                values.update(self.noise.update(local, reduced, examples, self.env.world_size))
+                values.update(self.noise.update(*self.noise_norms, examples, self.env.world_size))
         self.tracker.log(self._record(window, values))
         self.job_steps += 1
         self._check_finite(window.step, values)
@@ -203,12 +215,12 @@ class Session:
 
     def should_stop(self, step: int) -> bool:
         """After optimizer step `step`: must this job end here, with a checkpoint? At
-        --stop_after_steps, or when any process got the preemption signal."""
+        --stop_after_steps, or when any process had the preemption signal at the step's read_step."""
         if step >= self.run.total_steps:
             return False
         if self.job_steps == self.cfg.stop_after_steps:
             self.stop_reason = f"--stop_after_steps {self.cfg.stop_after_steps}"
-        elif self.run.preemption.agreed(self.env.device):
+        elif self.stop_signalled:
             self.stop_reason = "preemption signal (SIGUSR1)"
         return bool(self.stop_reason)
 

@@ -46,7 +46,7 @@ from .optim import build_optimizer, build_scheduler
 from .session import Session
 from .speed import COMPILE
 from .startup import start
-from .windows import Window, finite, global_targets, step_values
+from .windows import Window, finite
 
 
 def train_step(accelerator: Accelerator, model, window: Window, optimizer, lr_scheduler,
@@ -58,7 +58,7 @@ def train_step(accelerator: Accelerator, model, window: Window, optimizer, lr_sc
     aligned so that it is True on the window's last micro-step. None: the window did not fit in
     memory on some rank (micro_batch_size auto), and comes again."""
     cfg, world_size, micro_batches = session.cfg, session.env.world_size, window.micro_batches
-    num_targets = global_targets(micro_batches, cfg.task, accelerator.device)  # real targets, all ranks
+    num_targets = session.targets(window)  # real targets, all ranks (counted on the host)
     accelerator.gradient_accumulation_steps = k = window.grad_accum_steps  # this step's (the schedule's)
     accelerator.step = k - len(micro_batches)  # the window's last micro-step is the one that syncs
     lr = optimizer.param_groups[0]["lr"]  # the lr this step applies (DeepSpeed steps inside backward)
@@ -80,7 +80,7 @@ def train_step(accelerator: Accelerator, model, window: Window, optimizer, lr_sc
             loss_sum += loss.detach().double()
             if accelerator.sync_gradients:  # DeepSpeed clips inside its step and reports the norm
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
-                values = step_values(loss_sum, grad_norm, num_targets, lr, len(micro_batches))
+                values = session.read_step(loss_sum, grad_norm, num_targets, lr, len(micro_batches))
                 # a non-finite loss or gradient norm skips the step on every rank alike: without
                 # gradients the optimizer's step() changes nothing (DeepSpeed and fp16's scaler also
                 # skip such a step themselves: optimizer_step_was_skipped)
@@ -134,7 +134,7 @@ def train(cfg: TrainConfig) -> None:
     # keep_torch_compile=False: the default unwraps the DDP module inside a compiled model in place
     # (Accelerate's extract_model_from_parallel), after which no_sync() no longer reaches it
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    session = Session(run, unwrapped, accelerator)
+    session = Session(run, unwrapped, accelerator, sync_counter)
     train_loader, eval_loader = session.loaders()
 
     def write_model(folder) -> None:
@@ -152,7 +152,7 @@ def train(cfg: TrainConfig) -> None:
         values = train_step(accelerator, model, window, optimizer, lr_scheduler, session)
         if values is None:  # dropped for an out-of-memory error: the same window again, smaller
             continue
-        session.log_step(window, values, sync_counter)
+        session.log_step(window, values)
         if session.eval_due(window):
             session.log_eval(window.step, evaluate(unwrapped, eval_loader, cfg.task, accelerator.device,
                                                    accelerator.autocast))

@@ -32,7 +32,7 @@ from .optim import build_optimizer, build_scheduler
 from .session import Session
 from .speed import COMPILE
 from .startup import start
-from .windows import Window, finite, global_targets, step_values
+from .windows import Window, finite
 
 
 def train_step(ddp_model, forward, window: Window, optimizer, lr_scheduler, scaler, session: Session,
@@ -47,7 +47,7 @@ def train_step(ddp_model, forward, window: Window, optimizer, lr_scheduler, scal
     auto), and comes again."""
     cfg, env = session.cfg, session.env
     model = ddp_model.module if isinstance(ddp_model, DDP) else ddp_model
-    num_targets = global_targets(window.micro_batches, cfg.task, env.device)  # real targets, all ranks
+    num_targets = session.targets(window)  # real targets, all ranks (counted on the host)
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     for micro_step, micro_batch in enumerate(window.micro_batches):
         is_last = micro_step == len(window.micro_batches) - 1
@@ -67,7 +67,8 @@ def train_step(ddp_model, forward, window: Window, optimizer, lr_scheduler, scal
             loss_sum += loss.detach().double()
     scaler.unscale_(optimizer)  # once per optimizer step, before clipping
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
-    values = step_values(loss_sum, grad_norm, num_targets, optimizer.param_groups[0]["lr"], len(window.micro_batches))
+    values = session.read_step(loss_sum, grad_norm, num_targets, optimizer.param_groups[0]["lr"],
+                               len(window.micro_batches))  # the step's one collective and one read
     skipped = not finite(values)  # parameters, optimizer state and schedule stay put, on every rank
     if scaler.is_enabled():  # fp16: the scaler skips a step whose gradients overflowed, and halves the scale
         scale = scaler.get_scale()
@@ -111,7 +112,7 @@ def train(cfg: TrainConfig) -> None:
     # compiled around DDP, so that dynamo splits the graph at DDP's buckets (its DDPOptimizer)
     forward = torch.compile(ddp_model, **COMPILE) if cfg.compile else ddp_model
     autocast = partial(autocast_for, cfg, env.device)
-    session = Session(run, model)
+    session = Session(run, model, sync_counter=sync_counter)
     train_loader, eval_loader = session.loaders()
 
     def write_checkpoint(folder: Path) -> None:
@@ -126,7 +127,7 @@ def train(cfg: TrainConfig) -> None:
         values = train_step(ddp_model, forward, window, optimizer, lr_scheduler, scaler, session, autocast)
         if values is None:  # dropped for an out-of-memory error: the same window again, smaller
             continue
-        session.log_step(window, values, sync_counter)
+        session.log_step(window, values)
         if session.eval_due(window):
             session.log_eval(window.step, evaluate(model, eval_loader, cfg.task, env.device, autocast))
         stop = session.should_stop(window.step)  # --stop_after_steps, or a preemption signal on any process

@@ -5,18 +5,17 @@ normalisation), RunRecorder (records, non-finite steps, checkpoints, stopping), 
 compute_metrics (evaluation by real targets).
 """
 
-import math
-
 import numpy as np
 import torch
 from transformers import PrinterCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .checkpoint import checkpoints_dir, publish
-from .distributed import all_reduce_sum, full_norm, sync_counter_for
+from .distributed import sync_counter_for
 from .evaluation import classification_metrics, confusion_matrix
 from .model import count_targets, summed_loss
 from .optim import build_optimizer, build_scheduler
+from .windows import finite
 
 
 class WindowTrainer(Trainer):
@@ -69,7 +68,7 @@ class WindowLoss:
     def __init__(self, task: str):
         self.task = task
         self.window_sum = torch.zeros((), dtype=torch.float64)
-        self.micro_steps, self.num_targets = 0, 0
+        self.micro_steps = 0
 
     def __call__(self, outputs, labels, num_items_in_batch=None):
         loss = summed_loss(outputs.logits, labels, self.task)
@@ -78,12 +77,11 @@ class WindowLoss:
         if torch.is_grad_enabled():  # a training micro-step (evaluation runs without grad)
             self.window_sum = self.window_sum + loss.detach().double()  # on the loss's device
             self.micro_steps += 1
-            self.num_targets = int(num_items_in_batch)
         return loss / num_items_in_batch
 
-    def take(self) -> tuple[torch.Tensor, int, int]:
-        """The window's loss sum (this rank), its micro-steps and real targets (all ranks); reset."""
-        taken = self.window_sum, self.micro_steps, self.num_targets
+    def take(self) -> tuple[torch.Tensor, int]:
+        """The window's loss sum (this rank) and its micro-steps; reset."""
+        taken = self.window_sum, self.micro_steps
         self.window_sum, self.micro_steps = torch.zeros((), dtype=torch.float64), 0
         return taken
 
@@ -103,28 +101,27 @@ class RunRecorder(TrainerCallback):
 
     def __init__(self, session, trainer, loss: WindowLoss):
         self.session, self.trainer, self.loss = session, trainer, loss
-        self.sync_counter = None
         self.values: dict = {}
         self.finite, self.schedule = True, None
         self.stopped = False
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.sync_counter = sync_counter_for(self.trainer.model_wrapped)
+        self.session.sync_counter = sync_counter_for(self.trainer.model_wrapped)
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # The epoch's permutation; set here because a resumed epoch's loader is a skipping copy.
         self.session.sampler.set_epoch(self.session.sampler.epoch_of(state.global_step)[0])
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, lr_scheduler=None, model=None, **kwargs):
-        # one host sync per optimizer step: the window's loss (all ranks) and the clipped gradients' norm
-        window_sum, micro_steps, num_targets = self.loss.take()
+        # the step's one collective and one read: the window's loss (all ranks), the clipped
+        # gradients' norm, the preemption signal, the noise scale's norms
+        window_sum, micro_steps = self.loss.take()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = full_norm(torch.nn.utils.get_total_norm(grads)) if grads else torch.zeros(())
-        loss_total, norm = torch.stack([all_reduce_sum(window_sum.to(args.device)),
-                                        norm.to(args.device, torch.float64)]).tolist()
-        self.values = {"loss": loss_total / max(num_targets, 1), "lr": optimizer.param_groups[0]["lr"],
-                       "tokens": num_targets, "micro_steps": micro_steps}
-        self.finite = math.isfinite(loss_total) and math.isfinite(norm)
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=args.device)
+        num_targets = self.session.targets(self.session.sampler.window_at(state.global_step))
+        self.values = self.session.read_step(window_sum.to(args.device), norm, num_targets,
+                                             optimizer.param_groups[0]["lr"], micro_steps)
+        self.finite = finite(self.values)
         if not self.finite:
             for p in model.parameters():
                 p.grad = None
@@ -145,7 +142,7 @@ class RunRecorder(TrainerCallback):
         if "loss" in logs:
             values = {**self.values, "grad_norm": logs.get("grad_norm")}
             window = self.session.sampler.window_at(state.global_step - 1)
-            self.session.log_step(window, values, self.sync_counter)
+            self.session.log_step(window, values)
             if self.session.should_stop(state.global_step):
                 control.should_save = control.should_training_stop = True
                 self.stopped = True

@@ -17,9 +17,8 @@ import torch
 from torch.utils.data import Sampler
 
 from .batch import BatchPlan, largest_divisor
-from .distributed import DistEnv, all_reduce_sum, full_norm, ranks_with
+from .distributed import DistEnv, ranks_with
 from .errors import JobFailed, first_line
-from .model import count_targets
 
 
 @dataclass(frozen=True)
@@ -147,23 +146,6 @@ class WindowSampler(Sampler):
     def __len__(self) -> int:
         """Micro-batches from start_step to the epoch's end."""
         return sum(self.micro_steps(step) for step in range(self.start_step, self.steps_per_epoch))
-
-
-def global_targets(micro_batches: list[dict], task: str, device: torch.device) -> float:
-    """The real targets of the whole window on every rank (at least 1): what each micro-step's
-    summed loss is divided by, so that the window adds up to the global batch's mean loss."""
-    targets = torch.tensor(float(sum(count_targets(b["labels"], task) for b in micro_batches)), device=device)
-    return all_reduce_sum(targets).clamp(min=1).item()
-
-
-def step_values(loss_sum: torch.Tensor, grad_norm, num_targets: float, lr: float, micro_steps: int) -> dict:
-    """A step's record values, with one host sync per optimizer step: the window's loss (all ranks)
-    and the gradient norm, read together. A step whose loss or gradient norm is not finite is
-    skipped on every rank alike (`finite`): both numbers are the same everywhere."""
-    loss_total, norm = torch.stack([all_reduce_sum(loss_sum), torch.as_tensor(
-        full_norm(grad_norm), dtype=torch.float64, device=loss_sum.device)]).tolist()
-    return {"loss": loss_total / num_targets, "lr": lr, "grad_norm": norm, "tokens": int(num_targets),
-            "micro_steps": micro_steps}
 
 
 def finite(values: dict) -> bool:
