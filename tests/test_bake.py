@@ -34,7 +34,7 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
         *(f"{pkg}/assets/data/{t}/{s}.jsonl" for t in TASKS for s in ("train", "validation")),
         f"{pkg}/assets/tokenizer/tokenizer.json", f"{pkg}/assets/tokenizer/tokenizer_config.json",
         *(f"tests/{m}.py" for m in ("conftest", "oom_injection", "test_batch", "test_cli", "test_config",
-                                    "test_continue", "test_data", "test_output_lock", "fork_launcher",
+                                    "test_continue", "test_data", "test_output_lock", "fork_launcher", "sync_counting",
                                     "test_faults", "test_inputs", "test_levers", "test_parity", "test_resume",
                                     "test_scripts", "test_speed", "test_wandb")),
         "tests/test_benchmarks.py", "docs/loss_curves.png", "docs/noise_scale.png",
