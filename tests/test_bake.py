@@ -45,6 +45,8 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
         files |= {f"{pkg}/train_{entry}.py", f"tests/test_{entry}.py"}
     if "trainer" in entries:
         files.add(f"{pkg}/trainer_adapters.py")
+    if "pytorch" in entries:
+        files |= {f"{pkg}/sharding.py", "tests/test_fsdp.py"}
     if entries != ("pytorch",):
         files |= {f"configs/accelerate/{name}.yaml" for name in ("single", "multi_gpu", "multi_node", "fsdp")}
         files.add("scripts/slurm/accelerate.sbatch")

@@ -149,12 +149,13 @@ def test_optimizers_and_schedules_are_the_same_in_every_entry(runs, optimizer, s
 @pytest.mark.skipif(not (ROOT / "configs" / "accelerate" / "fsdp.yaml").exists(), reason="no accelerate configs")
 def test_fsdp_is_refused_where_it_would_not_run(env, tmp_path):
     """Accelerate turns on FSDP only on GPUs: on CPU it would train DDP without a word, so every
-    entry point refuses; train_pytorch (DDP by hand) refuses FSDP everywhere."""
+    entry point refuses; train_pytorch refuses Accelerate's FSDP everywhere (it has its own, --fsdp)."""
     fsdp_env = {**env, "ACCELERATE_USE_FSDP": "true"}
     entries = ENTRIES if GPUS == 0 else ["pytorch"]
     for entry in entries:
         run = run_entry(entry, 1, tmp_path / entry, fsdp_env)
-        expected = "error: train_pytorch runs DDP, not FSDP" if entry == "pytorch" else "error: FSDP needs GPUs"
+        expected = ("error: train_pytorch shards with its own --fsdp full_shard" if entry == "pytorch"
+                    else "error: FSDP needs GPUs")
         assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(expected), run.stderr[-2000:]
 
 

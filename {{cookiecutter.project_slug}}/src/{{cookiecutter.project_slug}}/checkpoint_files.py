@@ -1,6 +1,7 @@
 """Whether a checkpoint's files load safely, read without loading them: safetensors headers that
-match their file's size, and pickles (torch.save) that name nothing but tensors, containers and the
-few classes the libraries' own state holds — a checkpoint from a shared folder must run no code.
+match their file's size, and pickles (torch.save, a sharded checkpoint's index) that name nothing but
+tensors, containers and the few classes the libraries' own state holds — a checkpoint from a shared
+folder must run no code.
 """
 
 import json
@@ -21,6 +22,19 @@ SAFE_GLOBALS = {
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"), ("deepspeed.utils.tensor_fragment", "fragment_address"),
 }
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl")
+# A sharded checkpoint's index (torch.distributed.checkpoint's `.metadata`, which it reads with a
+# plain pickle.load) may name its own record classes, paths, sizes, dtypes and layouts; the shards
+# themselves DCP reads with weights_only=True.
+DCP_METADATA = ".metadata"
+DCP_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    *(("torch", name) for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                                   "uint8", "bool")),
+}
 
 
 def _pickle_globals(data: bytes) -> set[tuple[str, str]]:
@@ -61,7 +75,8 @@ def check_file(path: Path) -> str:
         except (ValueError, KeyError, TypeError, IndexError):
             return "has a damaged safetensors header"
         return "" if 8 + length + end == size else f"is {size} bytes where its header needs {8 + length + end}"
-    if path.suffix not in PICKLE_SUFFIXES:
+    dcp_index = path.name == DCP_METADATA
+    if path.suffix not in PICKLE_SUFFIXES and not dcp_index:
         return ""
     try:
         if zipfile.is_zipfile(path):
@@ -69,7 +84,7 @@ def check_file(path: Path) -> str:
                 pickles = [archive.read(n) for n in archive.namelist() if n.endswith(".pkl")]
         else:
             pickles = [path.read_bytes()]
-        unsafe = set().union(*map(_pickle_globals, pickles)) - SAFE_GLOBALS
+        unsafe = set().union(*map(_pickle_globals, pickles)) - SAFE_GLOBALS - (DCP_GLOBALS if dcp_index else set())
     except (zipfile.BadZipFile, ValueError, EOFError, UnicodeDecodeError) as err:
         return f"is damaged ({type(err).__name__}: {err})"
     unsafe = {(m, n) for m, n in unsafe if not (m == "torch" and n.endswith("Storage"))}

@@ -140,6 +140,16 @@ class TrainConfig:
         "Skip DDP's gradient all-reduce on all but the last micro-step of each optimizer step. "
         "Turn off only to measure what it saves.", True)
     ddp_bucket_cap_mb: float = _doc("DDP gradient bucket size in MiB.", 25.0)
+    fsdp: Literal["none", "full_shard", "hybrid_shard"] = _doc(
+        "train_pytorch: shard parameters, gradients and optimizer state with FSDP2 (fully_shard) instead of DDP: "
+        "full_shard over every process, hybrid_shard within each of fsdp_replicas groups (HSDP).", "none")
+    fsdp_replicas: int = _doc(
+        "hybrid_shard: replica groups of the mesh (replicate x shard); the world size must be a multiple.", 1)
+    fsdp_grad_sync: Literal["micro_step", "window"] = _doc(
+        "FSDP2: reduce-scatter the gradients every micro-step (sharded, least memory) or once per window "
+        "(unsharded gradients held across it, fewer collectives).", "micro_step")
+    async_checkpoint: bool = _doc(
+        "FSDP2: write sharded checkpoints in the background while training continues.", False)
     rendezvous_timeout_s: float = _doc(
         "Seconds to wait for every process to join the process group before giving up with one line.", 300.0)
     collective_timeout_s: float = _doc(
@@ -181,6 +191,11 @@ class TrainConfig:
         parse_schedule(self.global_batch_size_schedule, self.global_batch_size)
         if self.ddp_bucket_cap_mb <= 0:
             raise ConfigError(f"ddp_bucket_cap_mb must be > 0, got {self.ddp_bucket_cap_mb}")
+        if self.fsdp_replicas < 1:
+            raise ConfigError(f"fsdp_replicas must be >= 1, got {self.fsdp_replicas}")
+        if self.fsdp_replicas > 1 and self.fsdp != "hybrid_shard":
+            raise ConfigError(f"fsdp_replicas {self.fsdp_replicas} needs fsdp hybrid_shard (replicas of a sharded "
+                              f"model), got fsdp {self.fsdp}")
 
     def to_dict(self) -> dict:
         return asdict(self)

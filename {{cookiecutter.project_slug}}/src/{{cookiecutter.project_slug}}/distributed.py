@@ -301,6 +301,9 @@ class GradSyncCounter:
         calls, self.calls = self.calls, 0
         return calls
 
+    def record(self) -> dict:
+        return {"grad_sync_calls": self.take()}
+
     def take_bytes(self) -> int:
         sent, self.bytes = self.bytes, 0
         return sent

@@ -36,8 +36,9 @@ class Session:
     `save_due`, `should_stop`, and at the end `save_model` (or `save_final`) and `done`."""
 
     def __init__(self, run: Run, model: torch.nn.Module, accelerator=None, sync_counter=None):
-        """Announce the run (rank 0) and start its record; `model` is the whole, unwrapped model
-        (for mfu). W&B goes through `accelerator` when given; `sync_counter`: DDP's GradSyncCounter."""
+        """Announce the run (rank 0) and start its record; `model` is the unwrapped model (for mfu).
+        W&B goes through `accelerator` when given; `sync_counter`: DDP's GradSyncCounter (or
+        sharding.CollectiveCounter under FSDP2)."""
         self.run, self.cfg, self.env = run, run.cfg, run.env
         self.sync_counter = sync_counter
         self.stop_signalled = False  # any rank got the preemption signal, as of the latest step's read
@@ -170,7 +171,7 @@ class Session:
         """Record the window's optimizer step (metrics.jsonl, W&B, the progress line) and count it in
         this job; a run whose steps keep being non-finite stops here (JobFailed, exit code 3)."""
         if self.sync_counter is not None:
-            values["grad_sync_calls"] = self.sync_counter.take()
+            values.update(self.sync_counter.record())
             # estimated where every rank's gradient is of the same number of examples (not in an
             # epoch's uneven last window); not under fp16, whose loss scale changes the units
             examples = len(window.examples)
@@ -233,11 +234,12 @@ class Session:
         """final_model/, written by `write(folder)` on every process, atomically: the run is finished."""
         write_final(self.cfg, self.env, write, self.state(self.step))
 
-    def save_model(self, model) -> None:
-        """final_model/ from a whole (unwrapped, unsharded) model: save_pretrained plus the tokenizer."""
+    def save_model(self, model, state_dict: dict | None = None) -> None:
+        """final_model/ from the unwrapped model (its whole parameters in `state_dict` when it is
+        sharded): save_pretrained plus the tokenizer."""
         def write(folder: Path) -> None:
             if self.env.is_main_process:
-                model.save_pretrained(folder)
+                model.save_pretrained(folder, state_dict=state_dict)
                 self.run.tokenizer.save_pretrained(folder)
 
         self.save_final(write)

@@ -11,15 +11,17 @@ Each optimizer step consumes one window of `grad_accum_steps` micro-batches per 
 micro-step but the last runs under `no_sync()`, so DDP all-reduces once per optimizer step. Each
 micro-batch's summed loss is divided by the real targets of the whole window on all ranks, so the
 accumulated gradient is exactly the global batch's mean loss gradient (docs/guarantees.md).
+`--fsdp full_shard` (or `hybrid_shard`) shards the model with FSDP2 instead of DDP (sharding.py).
 """
 
 import math
-from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_model, save_model
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import load_rng, save_rng
@@ -30,6 +32,17 @@ from .evaluation import evaluate
 from .model import autocast_for, build_model, summed_loss
 from .optim import build_optimizer, build_scheduler
 from .session import Session
+from .sharding import (
+    DCP_DIR,
+    CollectiveCounter,
+    clip_gradients,
+    gradient_sync,
+    load_sharded,
+    load_whole_optimizer,
+    shard,
+    training_state,
+    whole_model_state,
+)
 from .speed import COMPILE
 from .startup import start
 from .windows import Window, finite
@@ -38,7 +51,8 @@ from .windows import Window, finite
 def train_step(ddp_model, forward, window: Window, optimizer, lr_scheduler, scaler, session: Session,
                autocast) -> dict | None:
     """One optimizer step over this rank's micro-batches of the window; `forward` is ddp_model, or
-    its torch.compile'd self (the same module, so no_sync() on ddp_model holds for it).
+    its torch.compile'd self (the same module, so no_sync() on ddp_model holds for it). Under FSDP2
+    ddp_model is the sharded model itself, and gradient_sync sets its sync for the micro-step.
 
     The textbook loop over k micro-batches (k = grad_accum_steps, fewer in an epoch's short last
     window) whose boundary test `(index + 1) % k == 0` is `is_last` here: the only micro-step that
@@ -54,19 +68,18 @@ def train_step(ddp_model, forward, window: Window, optimizer, lr_scheduler, scal
         if is_last and not session.window_fits():  # micro_batch_size auto: out of memory on some rank
             optimizer.zero_grad(set_to_none=True)  # every rank drops the window; it comes again, smaller
             return None
-        skip_sync = isinstance(ddp_model, DDP) and cfg.ddp_no_sync and not is_last
-        with session.micro_step(is_last), ddp_model.no_sync() if skip_sync else nullcontext():
+        with session.micro_step(is_last), gradient_sync(ddp_model, cfg, is_last):
             batch = {k: v.to(env.device, non_blocking=True) for k, v in micro_batch.items()}
             labels = batch.pop("labels")
             with autocast():
                 logits = forward(**batch).logits
             loss = summed_loss(logits, labels, cfg.task)
-            # DDP averages over ranks, hence x world_size: the sum over the window and the ranks
+            # DDP (and FSDP2) averages over ranks, hence x world_size: the sum over the window and the ranks
             # is then the gradient of the global batch's mean loss.
             scaler.scale(loss * (env.world_size / num_targets)).backward()
             loss_sum += loss.detach().double()
     scaler.unscale_(optimizer)  # once per optimizer step, before clipping
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
+    grad_norm = clip_gradients(model, cfg.max_grad_norm)  # the whole model's norm, sharded or not
     values = session.read_step(loss_sum, grad_norm, num_targets, optimizer.param_groups[0]["lr"],
                                len(window.micro_batches))  # the step's one collective and one read
     skipped = not finite(values)  # parameters, optimizer state and schedule stay put, on every rank
@@ -90,37 +103,54 @@ def train_step(ddp_model, forward, window: Window, optimizer, lr_scheduler, scal
 
 def train(cfg: TrainConfig) -> None:
     run = start(cfg, entry="pytorch")  # every up-front check
-    env = run.env
+    env, sharded = run.env, cfg.fsdp != "none"
     model = build_model(cfg, run.model_config).to(env.device)
+    resume_dcp = run.resume is not None and (run.resume / DCP_DIR).is_dir()
+    if run.resume is not None and not resume_dcp:  # whole weights, loaded before any sharding
+        load_model(model, str(run.resume / "model.safetensors"), device=str(env.device))
+    if sharded:
+        run.init_distributed()
+        model = shard(model, cfg, env)
     optimizer = build_optimizer(model, cfg, env.device)
     lr_scheduler = build_scheduler(optimizer, cfg, run.total_steps, run.plan)
-    scaler = torch.amp.GradScaler(env.device.type, init_scale=cfg.fp16_init_scale,
-                                  enabled=cfg.mixed_precision == "fp16")
+    scaler = (ShardedGradScaler if sharded else torch.amp.GradScaler)(
+        env.device.type, init_scale=cfg.fp16_init_scale, enabled=cfg.mixed_precision == "fp16")
     if run.resume is not None:
-        load_model(model, str(run.resume / "model.safetensors"), device=str(env.device))
         state = torch.load(run.resume / "training_state.pt", map_location=env.device, weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
+        if resume_dcp:  # resharded to this run's processes, or gathered whole
+            load_sharded(model, optimizer, run.resume)
+        elif sharded:
+            load_whole_optimizer(model, optimizer, state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         lr_scheduler.load_state_dict(state["lr_scheduler"])
         scaler.load_state_dict(state["scaler"])
         load_rng(run.resume, env.rank)
 
     run.init_distributed()
     ddp_model, sync_counter = model, None
-    if env.world_size > 1:
+    if sharded:
+        sync_counter = CollectiveCounter(model, hybrid=cfg.fsdp == "hybrid_shard")
+    elif env.world_size > 1:
         ddp_model = wrap_ddp(model, env, cfg.ddp_bucket_cap_mb)
         sync_counter = GradSyncCounter(ddp_model)
-    # compiled around DDP, so that dynamo splits the graph at DDP's buckets (its DDPOptimizer)
-    forward = torch.compile(ddp_model, **COMPILE) if cfg.compile else ddp_model
+    # compiled around DDP, so that dynamo splits the graph at DDP's buckets (its DDPOptimizer);
+    # under FSDP2 each layer is compiled on its own (shard)
+    forward = torch.compile(ddp_model, **COMPILE) if cfg.compile and not sharded else ddp_model
     autocast = partial(autocast_for, cfg, env.device)
     session = Session(run, model, sync_counter=sync_counter)
     train_loader, eval_loader = session.loaders()
 
     def write_checkpoint(folder: Path) -> None:
         save_rng(folder, env.rank)
-        if env.is_main_process:
+        if sharded:  # each rank writes its shards
+            dcp.save(training_state(model, optimizer), checkpoint_id=folder / DCP_DIR)
+        elif env.is_main_process:
             save_model(model, str(folder / "model.safetensors"))
-            torch.save({"optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
-                        "scaler": scaler.state_dict()}, folder / "training_state.pt")
+        if env.is_main_process:
+            torch.save({**({} if sharded else {"optimizer": optimizer.state_dict()}),
+                        "lr_scheduler": lr_scheduler.state_dict(), "scaler": scaler.state_dict()},
+                       folder / "training_state.pt")
 
     model.train()
     for window in session.windows(train_loader):
@@ -136,7 +166,7 @@ def train(cfg: TrainConfig) -> None:
         if stop:
             return session.stopped()
 
-    session.save_model(model)
+    session.save_model(model, whole_model_state(model) if sharded else None)
     session.done()
 
 

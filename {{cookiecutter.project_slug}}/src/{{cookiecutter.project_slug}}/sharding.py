@@ -1,0 +1,145 @@
+"""FSDP2 for train_pytorch: parameters, gradients and optimizer state sharded over the processes
+(`fully_shard` on each decoder layer and the root), or HSDP (replica groups x shards); each
+micro-step's gradient sync; the collectives each step counted; sharded checkpoints (DCP) that load
+into any world size, mesh or an unsharded model. docs/memory.md says which mode to pick.
+"""
+
+import math
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .config import TrainConfig
+from .distributed import DistEnv, full_norm
+from .model import fsdp_mixed_precision
+from .speed import COMPILE
+
+DCP_DIR = "dcp"  # a sharded checkpoint's folder inside checkpoints/step_<N>/
+# FSDP2's own reduce-scatter (torch 2.13 renamed reduce_scatter_tensor)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def shard(model: torch.nn.Module, cfg: TrainConfig, env: DistEnv) -> FSDPModule:
+    """`model` sharded in place: each of its decoder layers (the classes it names in
+    `_no_split_modules`) a unit of its own, then the root (embeddings, final norm, head). Under
+    mixed precision the forward runs in bf16/fp16 and gradients are reduced and accumulated in fp32.
+    With `compile`, each layer is compiled on its own, before it is sharded (FSDP2's hooks stay
+    outside the compiled graphs)."""
+    if cfg.fsdp == "hybrid_shard":
+        mesh = init_device_mesh(env.device.type, (cfg.fsdp_replicas, env.world_size // cfg.fsdp_replicas),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
+    policy = MixedPrecisionPolicy(**(fsdp_mixed_precision(cfg) or {}))
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if type(module).__name__ in layers:
+            if cfg.compile:
+                module.compile(**COMPILE)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def gradient_sync(model, cfg: TrainConfig, is_last: bool):
+    """Around one micro-step: the gradient sync it runs. DDP: `no_sync()` on all but the window's
+    last (ddp_no_sync). FSDP2: a reduce-scatter every micro-step (fsdp_grad_sync micro_step) or on
+    the last only (window); HSDP's all-reduce across replicas on the last only, in either mode."""
+    if isinstance(model, DDP):
+        return model.no_sync() if cfg.ddp_no_sync and not is_last else nullcontext()
+    if isinstance(model, FSDPModule):
+        if cfg.fsdp_grad_sync == "window":
+            model.set_requires_gradient_sync(is_last)
+        else:
+            model.set_requires_all_reduce(is_last)
+    return nullcontext()
+
+
+def clip_gradients(model: torch.nn.Module, max_grad_norm: float) -> torch.Tensor:
+    """Clip to `max_grad_norm` (0: no clipping) by the whole model's gradient norm, and return it.
+    Under FSDP2 the norm of the sharded gradients is a DTensor; the norm of this rank's shards
+    alone would be a part of it, so the full norm clips (and is recorded)."""
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    norm = full_norm(torch.nn.utils.get_total_norm([p.grad for p in parameters]))
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_grad_norm or math.inf, norm)
+    return norm
+
+
+class CollectiveCounter:
+    """Counts FSDP2's gradient collectives on this rank: reduce-scatters (it stands in for FSDP2's
+    own, calling the same `reduce_scatter_tensor`) and, under HSDP, the all-reduces across
+    replicas (the hook FSDP2 calls after each). `record()` gives those since its last call."""
+
+    def __init__(self, model: torch.nn.Module, hybrid: bool):
+        self.reduce_scatters = self.all_reduces = 0
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(self)
+                if hybrid:
+                    module.set_all_reduce_hook(self._all_reduced)
+
+    @staticmethod
+    def allocate(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self.reduce_scatters += 1
+        return REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+    def _all_reduced(self, reduced: torch.Tensor) -> None:
+        self.all_reduces += 1
+
+    def record(self) -> dict:
+        counts = {"reduce_scatters": self.reduce_scatters, "all_reduces": self.all_reduces}
+        self.reduce_scatters = self.all_reduces = 0
+        return counts
+
+    @staticmethod
+    def take_norms() -> tuple[None, None]:
+        return None, None  # the gradient noise scale reads DDP's buckets (distributed.GradSyncCounter)
+
+
+def training_state(model: torch.nn.Module, optimizer) -> dict:
+    """The model's and optimizer's state as DCP saves and loads it: sharded tensors under FSDP2,
+    whole ones otherwise, keyed by parameter name either way (so one loads into the other)."""
+    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+def load_sharded(model: torch.nn.Module, optimizer, folder: Path) -> None:
+    """Load a sharded checkpoint's model and optimizer, resharded to this run's world size and
+    mesh, or gathered whole for an unsharded model."""
+    state = training_state(model, optimizer)
+    dcp.load(state, checkpoint_id=folder / DCP_DIR)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def load_whole_optimizer(model: FSDPModule, optimizer, state: dict) -> None:
+    """An unsharded run's optimizer state (torch's own, numbered in parameter order) into the
+    optimizer of the sharded model, which has the same parameters in the same order."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    by_name = {"state": {order[i]: values for i, values in state["state"].items()},
+               "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
+                                for group in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def whole_model_state(model: torch.nn.Module) -> dict:
+    """The whole model's parameters on rank 0's CPU (every rank takes part; the others get none),
+    a tied parameter (the head that is the embedding) once, as save_pretrained writes it."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    return {name: value for name, value in state.items() if name not in tied}

@@ -1,0 +1,158 @@
+"""FSDP2 in train_pytorch, run for real on gloo: accumulation under each gradient-sync mode equals
+one process taking the whole batch, each step's reduce-scatters and all-reduces are what the mode
+promises, and a sharded checkpoint continues on another world size, mesh or without sharding.
+
+Modes: full_shard over 2 processes (accumulation 4), hybrid_shard as 2 replicas x 2 shards (4
+processes, accumulation 2); fsdp_grad_sync micro_step (a reduce-scatter every micro-step) or window
+(one per window). The fast tier (`make test`) runs one cell of each mode.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from {{ cookiecutter.project_slug }}.batch import parse_schedule
+from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
+from {{ cookiecutter.project_slug }}.distributed import DistEnv
+from {{ cookiecutter.project_slug }}.launch import check_back_end, launch_of
+
+from conftest import (
+    ACCUM,
+    GLOBAL_BATCH,
+    ROOT,
+    TASK,
+    TOL,
+    cell,
+    max_abs_diff,
+    max_loss_diff,
+    report,
+)
+
+CONFIG = str(ROOT / "configs" / "train.yaml")
+MODES = {"full_shard": (2, {"fsdp": "full_shard"}),  # processes, flags
+         "hybrid_shard": (4, {"fsdp": "hybrid_shard", "fsdp_replicas": 2})}
+SYNCS = ("micro_step", "window")
+
+
+def fsdp_run(runs, mode: str, sync: str):
+    nproc, flags = MODES[mode]
+    return runs("pytorch", nproc, **ACCUM, **flags, fsdp_grad_sync=sync)
+
+
+def units(run) -> int:
+    """FSDP units of the model: one per decoder layer, and the root."""
+    return AutoConfig.from_pretrained(run.output_dir / "final_model").num_hidden_layers + 1
+
+
+@pytest.mark.parametrize("mode,sync", [
+    pytest.param(mode, sync, id=f"{mode}-{sync}", marks=() if (mode, sync) in (
+        ("full_shard", "micro_step"), ("full_shard", "window"), ("hybrid_shard", "micro_step")) else pytest.mark.slow)
+    for mode in MODES for sync in SYNCS])
+def test_fsdp2_accumulation_matches_one_process_and_syncs_as_its_mode_says(runs, mode, sync):
+    run, reference = fsdp_run(runs, mode, sync), cell(runs, "pytorch", 1, 1)
+    nproc = MODES[mode][0]
+    accum = GLOBAL_BATCH // (ACCUM["micro_batch_size"] * nproc)
+    assert [(r["world_size"], r["grad_accum_steps"]) for r in run.steps] == [(nproc, accum)] * 8
+    assert [r["tokens"] for r in run.steps] == [r["tokens"] for r in reference.steps]
+    for ours, theirs in zip(run.steps, reference.steps, strict=True):
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=max(1e-5, TOL.loss))
+    param_diff, loss_diff = max_abs_diff(run.params(), reference.params()), max_loss_diff(run, reference)
+    # reduce-scatters: one per unit per synchronised micro-step; all-reduces across replicas (HSDP):
+    # one per unit per window, on its last micro-step
+    n = units(run)
+    reduce_scatters = n * (accum if sync == "micro_step" else 1)
+    all_reduces = n if mode == "hybrid_shard" else 0
+    counts = [(r["reduce_scatters"], r["all_reduces"]) for r in run.steps]
+    report(f"fsdp2 {TASK} {mode} {sync} ({nproc} processes x {accum}) vs 1 process: max |param diff| "
+           f"{param_diff:.3g}, max |loss diff| {loss_diff:.3g}; reduce-scatters, all-reduces per step {counts[0]}")
+    assert counts == [(reduce_scatters, all_reduces)] * 8
+    assert "grad_sync_calls" not in run.steps[0]
+    assert loss_diff <= TOL.loss
+    assert param_diff <= TOL.param
+
+
+@pytest.mark.slow
+def test_an_fsdp2_cell_is_bitwise_the_same_twice(runs, tmp_path):
+    first = fsdp_run(runs, "full_shard", "micro_step")
+    again = runs.run("pytorch", 2, tmp_path / "again", {**ACCUM, "fsdp": "full_shard", "fsdp_grad_sync": "micro_step"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [r["loss"] for r in again.steps] == [r["loss"] for r in first.steps]
+    assert [r["grad_norm"] for r in again.steps] == [r["grad_norm"] for r in first.steps]
+    assert max_abs_diff(again.params(), first.params()) == 0.0
+
+
+def test_the_final_model_of_a_sharded_run_is_one_hugging_face_folder(runs):
+    run = fsdp_run(runs, "full_shard", "micro_step")
+    folder = run.output_dir / "final_model"
+    loader = AutoModelForCausalLM if TASK == "causal_lm" else AutoModelForSequenceClassification
+    model = loader.from_pretrained(folder)
+    saved = load_file(folder / "model.safetensors")
+    assert {name for name, _ in model.named_parameters()} == set(saved)  # whole tensors, the tied head once
+    for name, param in model.named_parameters():
+        assert param.shape == saved[name].shape and param.detach().equal(saved[name])
+    assert (folder / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_continues_on_other_world_sizes_meshes_and_unsharded(runs, tmp_path):
+    """One run of 8 steps in four jobs, each continuing the one before from its checkpoint:
+    full_shard on 2 processes -> HSDP 2x2 on 4 (2 -> 4, FSDP -> HSDP) -> no sharding on 1 process
+    (a sharded checkpoint gathered whole) -> full_shard on 2 (an unsharded checkpoint sharded).
+    The global batch, its examples and the schedule stay; the parameters match the straight run."""
+    straight = fsdp_run(runs, "full_shard", "micro_step")
+    out = tmp_path / "run"
+    hops = [(2, {"fsdp": "full_shard", "micro_batch_size": 2}), (4, {"fsdp": "hybrid_shard", "fsdp_replicas": 2,
+                                                                     "micro_batch_size": 2}),
+            (1, {"fsdp": "none", "micro_batch_size": 4}), (2, {"fsdp": "full_shard", "micro_batch_size": 2})]
+    for hop, (nproc, flags) in enumerate(hops):
+        job = runs.run("pytorch", nproc, out, {**ACCUM, **flags, "stop_after_steps": 2, "resume_from_checkpoint":
+                                                "auto"})
+        assert job.returncode == 0, job.stderr[-3000:]
+        step = 2 * (hop + 1)
+        if step < 8:
+            checkpoint = out / "checkpoints" / f"step_{step}"
+            assert (checkpoint / "dcp").is_dir() == (flags["fsdp"] != "none")
+            assert (checkpoint / "model.safetensors").is_file() == (flags["fsdp"] == "none")
+        if hop:
+            assert f"resuming after step {2 * hop}" in job.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert [r["world_size"] for r in steps] == [2, 2, 4, 4, 1, 1, 2, 2]
+    assert [r["tokens"] for r in steps] == [r["tokens"] for r in straight.steps]
+    assert [r["lr"] for r in steps] == [r["lr"] for r in straight.steps]
+    diff = max_abs_diff(load_file(out / "final_model" / "model.safetensors"), straight.params())
+    loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(steps, straight.steps, strict=True))
+    report(f"fsdp2 resharded resume 2 -> 4 (HSDP) -> 1 (unsharded) -> 2: max |param diff| vs straight {diff:.3g}, "
+           f"max |loss diff| {loss_diff:.3g}")
+    assert diff <= 1e-6 and loss_diff <= TOL.loss
+
+
+@pytest.mark.parametrize("flags,entry,world_size,expected", [
+    (["--fsdp", "full_shard"], "accelerate", 2, "fsdp full_shard is train_pytorch's FSDP2; train_accelerate shards"),
+    (["--fsdp", "full_shard"], "trainer", 2, "fsdp full_shard is train_pytorch's FSDP2; train_trainer shards"),
+    (["--fsdp", "hybrid_shard", "--fsdp_replicas", "3"], "pytorch", 4,
+     "fsdp_replicas 3 does not divide the world size 4"),
+    (["--fsdp", "full_shard", "--ddp_no_sync", "false"], "pytorch", 2, "ddp_no_sync false is DDP's"),
+    (["--fsdp", "full_shard", "--micro_batch_size", "auto"], "pytorch", 2, "micro_batch_size auto measures DDP's"),
+    (["--async_checkpoint", "true"], "pytorch", 2, "async_checkpoint writes sharded checkpoints in the background"),
+])
+def test_fsdp_keys_that_cannot_apply_are_one_line(flags, entry, world_size, expected):
+    cfg = load_config(["--config", CONFIG, *flags])
+    env = DistEnv(0, 0, world_size, world_size, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=f"^{expected}"):
+        check_back_end(cfg, env, launch_of(cfg, entry), parse_schedule(cfg.global_batch_size_schedule, 16))
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--fsdp", "full_shard", "--fsdp_replicas", "2"], "fsdp_replicas 2 needs fsdp hybrid_shard"),
+    (["--fsdp", "hybrid_shard", "--fsdp_replicas", "0"], "fsdp_replicas must be >= 1, got 0"),
+    (["--fsdp", "zero3"], "argument --fsdp: invalid choice: 'zero3'"),
+    (["--fsdp_grad_sync", "never"], "argument --fsdp_grad_sync: invalid choice: 'never'"),
+])
+def test_fsdp_settings_out_of_range_are_one_line(flags, expected):
+    with pytest.raises(ConfigError, match=f"^{expected}"):
+        load_config(["--config", CONFIG, *flags])
