@@ -38,6 +38,15 @@ def unchosen_paths(answers: dict) -> list[Path]:
     if answers["deepspeed_stage"] == "none" and chosen != ("pytorch",):
         paths += [Path("configs", "deepspeed"), *Path("configs", "accelerate").glob("deepspeed_*.yaml"),
                   slurm / "deepspeed.sbatch"]
+    launchers = answers["__launchers"].split(",")
+    if "slurm" not in launchers:
+        paths.append(slurm)
+    if "kubernetes" not in launchers:
+        paths.append(Path("k8s"))
+    if "skypilot" not in launchers:
+        paths.append(Path("sky"))
+    if "kubernetes" not in launchers and "skypilot" not in launchers:
+        paths += [Path("scripts", "node_launch.sh"), Path("tests", "test_launchers.py")]
     if answers["ci"] != "github":
         paths.append(Path(".github"))
     if answers["ci"] != "gitlab":
@@ -53,11 +62,16 @@ def main() -> None:
             path.unlink()
     replay = {k: v for k, v in ANSWERS.items() if not k.startswith("_") or k == "_template"}
     Path(".cookiecutter.json").write_text(json.dumps(replay, indent=2, sort_keys=True) + "\n")
+    launchers = ANSWERS["__launchers"].split(",")
+    clusters = [line for name, line in (
+        ("slurm", "  sbatch scripts/slurm/torchrun.sbatch   # on a SLURM cluster\n"),
+        ("kubernetes", "  kubectl apply -f k8s/jobset.yaml      # on Kubernetes (or k8s/trainjob.yaml)\n"),
+        ("skypilot", "  sky jobs launch sky/train.yaml        # through SkyPilot\n")) if name in launchers]
     print(f"\nCreated {ANSWERS['project_name']!r} in ./{SLUG}. Next:\n"
           f"  cd {SLUG}\n"
           "  make install        # .venv with torch and this package\n"
           "  make train          # torchrun on this machine (every GPU, or 2 CPU processes)\n"
-          "  sbatch scripts/slurm/torchrun.sbatch   # on a SLURM cluster\n")
+          + "".join(clusters))
 
 
 if __name__ == "__main__":

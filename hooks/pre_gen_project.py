@@ -30,6 +30,12 @@ PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}){0,2}")
 POSITIVE_INT = re.compile(r"[1-9][0-9]{0,6}")
 LOCAL_PROCESSES = 2  # `make train` and the tests on a machine without GPUs
+LAUNCHERS = ("slurm", "kubernetes", "skypilot")
+# A Kubernetes object name (DNS-1123 label) short enough for the JobSet's pod names, <name>-node-0-<i>.
+K8S_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,48}[a-z0-9])?")
+# A container image reference: [registry[:port]/]path[:tag][@digest].
+IMAGE = re.compile(r"[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*"
+                   r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?")
 
 
 def check_slug(slug: str) -> str | None:
@@ -93,8 +99,27 @@ def check_names(answers: dict) -> str | None:
     return None
 
 
+def check_launchers(answers: dict) -> str | None:
+    """`launchers`: all, or a comma-separated list of LAUNCHERS in any case, spaces around the names
+    allowed (cookiecutter.json's `__launchers` holds the normalised list that the files use)."""
+    names = [name.strip().lower() for name in answers["launchers"].split(",")]
+    unknown = [name for name in names if name not in ("all", *LAUNCHERS)]
+    if unknown:
+        return (f"launchers {answers['launchers']!r} names {unknown[0]!r}, which is not a launcher; use 'all' or a "
+                f"comma-separated list of {', '.join(LAUNCHERS)}, e.g. 'slurm,kubernetes'")
+    if "kubernetes" in answers["__launchers"]:
+        if not K8S_NAME.fullmatch(answers["__k8s_name"]):
+            return (f"project_slug {answers['project_slug']!r} gives the Kubernetes name {answers['__k8s_name']!r}, "
+                    "which is not 1-50 lowercase letters, digits and '-'; choose a shorter slug or leave kubernetes "
+                    "out of launchers")
+        if not IMAGE.fullmatch(answers["container_image"]):
+            return (f"container_image {answers['container_image']!r} is not an image reference; use "
+                    "[registry/]name[:tag], e.g. 'ghcr.io/my-team/acme-train:1.0'")
+    return None
+
+
 def main() -> int:
-    for check in (lambda a: check_slug(a["project_slug"]), check_numbers, check_names):
+    for check in (lambda a: check_slug(a["project_slug"]), check_numbers, check_names, check_launchers):
         problem = check(ANSWERS)
         if problem:
             print(f"ERROR: {problem}", file=sys.stderr)

@@ -1,5 +1,6 @@
 # shellcheck shell=bash
-# Sourced by the launch scripts.
+# Sourced by the launch scripts: their variables' checks, and the torchrun options that every
+# multi-node launch shares (scripts/slurm/*.sbatch, scripts/node_launch.sh).
 # `is_yes NAME`: whether the variable NAME says yes (1, true, yes) or no
 # (0, false, no, unset, empty), any case; anything else ends the script with one line and exit 2.
 is_yes() {
@@ -34,5 +35,30 @@ names_a_file() {
   if [[ ! -f "$2" ]]; then
     echo "error: $1=${!1:-} names $2, which is not a file" >&2
     exit 2
+  fi
+}
+
+# `node_range NAME`: the variable NAME, when set, is a node count N or an elastic range MIN:MAX
+# (1 <= MIN <= MAX); anything else ends the script with one line and exit 2.
+node_range() {
+  if [[ -n "${!1+set}" ]] && ! [[ "${!1}" =~ ^([1-9][0-9]*)(:([1-9][0-9]*))?$ &&
+    ( -z "${BASH_REMATCH[3]}" || "${BASH_REMATCH[1]}" -le "${BASH_REMATCH[3]}" ) ]]; then
+    echo "error: $1=${!1} is not a node count N or a range MIN:MAX of at least 1 (e.g. 2 or 1:4)" >&2
+    exit 2
+  fi
+}
+
+# `torchrun_args`: torchrun's options for one node of a job, into the array TORCHRUN_ARGS, from
+# NNODES (N, or MIN:MAX: torchrun then starts with any count in the range and restarts the
+# processes when a node joins or leaves), NPROC_PER_NODE, MAX_RESTARTS, HEAD and MASTER_PORT (the
+# c10d rendezvous: the first node's address), RUN_ID (the same on every node; the run folder's lock
+# knows a restart by it). Its argument says whether this node holds the rendezvous: 1 or 0, or
+# empty for torchrun's guess from the host's names.
+# shellcheck disable=SC2034  # TORCHRUN_ARGS is read by the scripts that source this file
+torchrun_args() {
+  TORCHRUN_ARGS=(--nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
+                 --rdzv_backend c10d --rdzv_endpoint "$HEAD:$MASTER_PORT" --rdzv_id "$RUN_ID")
+  if [[ -n "$1" ]]; then
+    TORCHRUN_ARGS+=(--rdzv_conf "is_host=$1")
   fi
 }
