@@ -39,7 +39,8 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
                                     "test_scripts", "test_speed", "test_wandb")),
         "tests/test_benchmarks.py", "docs/loss_curves.png", "docs/noise_scale.png",
         *(f"benchmarks/{m}.py" for m in ("__init__", "__main__", "abab", "bare_loop", "common", "communication",
-                                         "data", "gpu_check", "loss_curves", "memory", "overhead", "startup")),
+                                         "data", "gpu_check", "library_loops", "loss_curves", "memory", "overhead",
+                                         "startup")),
     }
     for entry in entries:
         files |= {f"{pkg}/train_{entry}.py", f"tests/test_{entry}.py"}

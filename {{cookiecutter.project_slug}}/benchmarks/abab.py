@@ -1,7 +1,9 @@
-"""One entry point's real training, with a bare optimizer step (common.optimizer_step, on a second
-copy of the model and the same micro-batches) run between each two of its steps: A, B, A, B in
-one process, each timed in CPU time (time.process_time: what the process computed, not what the
-machine's other load made it wait), so that a 2 % difference is resolvable on a shared machine.
+"""One entry point's real training, with each library's minimal loop (benchmarks/library_loops.py:
+torch's bare optimizer step for every entry point, and for train_accelerate Accelerate's own
+accumulate() loop too, each on a copy of the model of its own and the same micro-batches) run
+between each two of its steps: A, B, A, B in one process, each timed in CPU time
+(time.process_time: what the process computed, not what the machine's other load made it wait),
+so that a 2 % difference is resolvable on a shared machine.
 
 The entry's time for a step is everything its loop does from handing over one window to asking
 for the next (train_step, the record, the progress line, the eval/save/stop decisions, for the
@@ -17,43 +19,39 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from {{ cookiecutter.project_slug }} import session as session_module
 from {{ cookiecutter.project_slug }}.cli import run_cli
-from {{ cookiecutter.project_slug }}.model import build_model
-from {{ cookiecutter.project_slug }}.optim import build_optimizer, build_scheduler
 
-from .common import optimizer_step
+from .library_loops import AccelerateLoop, TorchLoop
+
+BASELINES = {"pytorch": {"torch": TorchLoop}, "accelerate": {"torch": TorchLoop, "accelerate": AccelerateLoop},
+             "trainer": {"torch": TorchLoop}}
 
 
 class Interleaver:
-    """Keeps the two clocks: the entry's CPU time per step, and the bare step's on the same window."""
+    """Keeps the clocks: the entry's CPU time per step, and each baseline's on the same window."""
 
-    def __init__(self):
+    def __init__(self, entry: str):
+        self.loop_types = BASELINES[entry]
         self.entry_s: list[float] = []
-        self.bare_s: list[float] = []
+        self.baseline_s: dict[str, list[float]] = {name: [] for name in self.loop_types}
         self.handed_over = None  # process_time when the entry got its last window
         self.previous = None  # that window (kept across epochs: the Trainer asks for a new loader each)
-        self.bare = None
+        self.loops = None
 
     def hand_over(self, session, window: list[dict], loading_s: float) -> None:
         """The entry asks for `window` (loaded in `loading_s`): charge it its previous step, run the
-        bare step on the previous window, and start the entry's clock again."""
+        baselines on the previous window, and start the entry's clock again."""
         if self.previous is not None:
             self.entry_s.append(time.process_time() - self.handed_over - loading_s)
-            self.bare_step(session, self.previous)
+            if self.loops is None:
+                with torch.random.fork_rng():  # building the copies leaves the entry's random state as it was
+                    self.loops = {name: loop(session) for name, loop in self.loop_types.items()}
+            for name, loop in self.loops.items():
+                self.baseline_s[name].append(loop(self.previous))
         self.previous, self.handed_over = window, time.process_time()
-
-    def bare_step(self, session, window: list[dict]) -> None:
-        if self.bare is None:
-            model = build_model(session.cfg, session.run.model_config).to(session.env.device)
-            optimizer = build_optimizer(model, session.cfg, session.env.device)
-            self.bare = model, optimizer, build_scheduler(optimizer, session.cfg, session.run.total_steps,
-                                                          session.plan)
-        model, optimizer, lr_scheduler = self.bare
-        start = time.process_time()
-        optimizer_step(model, window, optimizer, session.cfg, session.env.device)
-        lr_scheduler.step()
-        self.bare_s.append(time.process_time() - start)
 
 
 def interleave_windows(clock: Interleaver):
@@ -105,13 +103,13 @@ def interleave_trainer_loader(clock: Interleaver):
 def main() -> None:
     entry, out = sys.argv[1], Path(sys.argv[2])
     del sys.argv[1:3]
-    clock = Interleaver()
+    clock = Interleaver(entry)
     (interleave_trainer_loader if entry == "trainer" else interleave_windows)(clock)
     module = __import__(f"{{ cookiecutter.project_slug }}.train_{entry}", fromlist=["train"])
     try:
         run_cli(module.train)
     finally:
-        out.write_text(json.dumps({"entry_s": clock.entry_s, "bare_s": clock.bare_s}))
+        out.write_text(json.dumps({"entry_s": clock.entry_s, **clock.baseline_s}))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks import communication, loss_curves, memory, overhead
-from benchmarks.common import entry_points, parser
+from benchmarks.common import SLUG, entry_points, parser, subprocess_env, train_flags
 
 from conftest import LAUNCH_TIMEOUT_S, ROOT, report
 
@@ -77,16 +77,49 @@ def test_loss_curves_plots_every_run(tmp_path):
 
 @pytest.mark.slow
 def test_the_overhead_is_measured_step_against_step_in_one_process(tmp_path):
-    """ABAB: every timed step of each entry point has its bare step beside it, both in CPU time."""
+    """ABAB: every timed step of each entry point has a step of torch's bare loop and of its own
+    library's minimal loop beside it (the Trainer's in a process of its own), all in CPU time."""
     rows = overhead.run(quick_args(tmp_path))
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["overhead"] == rows
-    assert {row["entry"] for row in rows} == set(entry_points())
+    assert results["settings"]["overhead"]["trainer_pairs"] == 1
+    entries = entry_points()
+    own = {"pytorch": "torch", "accelerate": "accelerate", "trainer": "trainer"}
+    assert sorted((row["entry"], row["baseline"]) for row in rows) == sorted(
+        {(entry, baseline) for entry in entries for baseline in ("torch", own[entry])})
     for row in rows:
-        assert row["steps"] == 20 - 1 - overhead.WARMUP_STEPS  # one bare step between each two steps
-        assert row["entry_ms"] > 0 and row["bare_ms"] > 0
-        assert row["ratio"] == pytest.approx(row["bare_ms"] / row["entry_ms"], abs=1e-3)
-    report("overhead (quick, CPU time, ABAB): " + ", ".join(f"{r['entry']} {r['ratio']:.3f}" for r in rows))
+        assert row["steps"] == 20 - 1 - overhead.WARMUP_STEPS  # one baseline step between each two steps
+        assert row["goal"] == (overhead.GOAL if row["baseline"] == own[row["entry"]] else None)
+        assert row["entry_ms"] > 0 and row["baseline_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["baseline_ms"] / row["entry_ms"], abs=1e-3)
+        assert 0 < row["ratio_quartiles"][0] <= row["ratio_quartiles"][1] <= row["ratio_quartiles"][2]
+        # the same model on the same windows: in CPU time within a factor of 2 whatever the machine's load
+        assert 0.5 < row["ratio"] < 2
+    for entry in entries:  # each entry point's steps, timed once, against each of its baselines
+        assert len({row["entry_ms"] for row in rows if row["entry"] == entry}) == 1
+    report("overhead (quick, CPU time, ABAB): " + ", ".join(
+        f"{r['entry']} {r['ratio']:.3f} x {r['baseline']}" for r in rows))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("accelerate" not in entry_points(), reason="generated without train_accelerate")
+def test_accelerates_own_loop_beside_train_accelerate_leaves_its_training_as_it_was(tmp_path):
+    """Accelerate's GradientState is one per process: the minimal accumulate() loop run between
+    train_accelerate's steps (14: an epoch's short last window among them) must not change them."""
+    flags = train_flags(quick_args(tmp_path), max_steps=14)
+    times = overhead.timed_run(["benchmarks.abab", "accelerate"], flags, tmp_path / "abab")
+    assert len(times["accelerate"]) == len(times["entry_s"]) == 14 - 1 - overhead.WARMUP_STEPS
+    cmd = [sys.executable, "-m", f"{SLUG}.train_accelerate", *flags, "--output_dir", str(tmp_path / "alone")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def steps(run):
+        records = (json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+        return [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in records if "loss" in r]
+
+    alone = steps("alone")
+    assert len(alone) == 14 and steps("abab/run") == alone
 
 
 @pytest.mark.slow
