@@ -18,14 +18,17 @@ DEEPSPEED = ("2", "none")
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".json", ".sh", ".sbatch", ".txt", ".cfg", ""}
 
 
-def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[str]:
+LAUNCHERS = ("slurm", "kubernetes", "skypilot")
+
+
+def expected_files(slug: str, entry_points: str, deepspeed_stage: str, launchers: tuple = LAUNCHERS) -> set[str]:
     entries = ("pytorch", "accelerate", "trainer") if entry_points == "all" else (entry_points,)
     pkg = f"src/{slug}"
     files = {
         ".cookiecutter.json", ".gitignore", ".pre-commit-config.yaml", ".github/workflows/ci.yml", "Makefile",
         "README.md", "pyproject.toml", "configs/train.yaml", "configs/experiments/gpt2_small.yaml",
         "configs/experiments/long_context.yaml", "scripts/check_commit.py", "scripts/train_local.sh",
-        "scripts/flags.sh", "scripts/slurm/common.sh", "scripts/slurm/torchrun.sbatch",
+        "scripts/flags.sh",
         *(f"{pkg}/{m}.py" for m in ("__init__", "batch", "checkpoint", "checkpoint_files", "cli", "config", "data",
                                      "data_cache", "distributed", "errors", "evaluation", "launch", "memory", "model",
                                      "noise", "optim", "output_lock", "prepare", "prepare_data", "session", "sources",
@@ -48,13 +51,23 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str) -> set[st
         files.add(f"{pkg}/trainer_adapters.py")
     if "pytorch" in entries:
         files |= {f"{pkg}/sharding.py", "tests/test_fsdp.py"}
+    sbatch = {"torchrun"}
     if entries != ("pytorch",):
         files |= {f"configs/accelerate/{name}.yaml" for name in ("single", "multi_gpu", "multi_node", "fsdp")}
-        files.add("scripts/slurm/accelerate.sbatch")
+        sbatch.add("accelerate")
         if deepspeed_stage != "none":
-            files |= {"scripts/slurm/deepspeed.sbatch", "configs/experiments/deepspeed.yaml"}
+            sbatch.add("deepspeed")
+            files.add("configs/experiments/deepspeed.yaml")
             files |= {f"configs/accelerate/deepspeed_zero{stage}.yaml" for stage in (1, 2, 3)}
             files |= {f"configs/deepspeed/{name}.json" for name in ("zero1", "zero2", "zero3", "zero3_offload")}
+    if "slurm" in launchers:
+        files |= {"scripts/slurm/common.sh", *(f"scripts/slurm/{name}.sbatch" for name in sbatch)}
+    if "kubernetes" in launchers:
+        files |= {"k8s/trainjob.yaml", "k8s/jobset.yaml"}
+    if "skypilot" in launchers:
+        files.add("sky/train.yaml")
+    if "kubernetes" in launchers or "skypilot" in launchers:
+        files |= {"scripts/node_launch.sh", "tests/test_launchers.py"}
     return files
 
 
@@ -96,6 +109,35 @@ def test_slug_is_used_everywhere(baked):
     assert (project / "src" / "acme_train" / "train_pytorch.py").is_file()
     assert "acme_train.train_" in (project / "scripts" / "train_local.sh").read_text()
     assert project_files(project) == expected_files("acme_train", "all", "2")
+
+
+# `launchers` answers, as typed, and the launchers each stands for (any case, spaces around the names).
+LAUNCHER_ANSWERS = {"slurm": ("slurm",), "kubernetes": ("kubernetes",), "skypilot": ("skypilot",),
+                    "Kubernetes, slurm": ("slurm", "kubernetes"),
+                    "skypilot,kubernetes,skypilot": ("kubernetes", "skypilot"), "all,slurm": LAUNCHERS}
+
+
+@pytest.mark.parametrize("launchers", LAUNCHER_ANSWERS)
+def test_each_launchers_answer_bakes_its_files_lint_clean_and_passing_its_fast_tests(baked, launchers):
+    project = baked(launchers=launchers)
+    chosen = LAUNCHER_ANSWERS[launchers]
+    assert project_files(project) == expected_files("gacc_train", "all", "2", chosen)
+    ruff = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=project,
+                          capture_output=True, text=True)
+    assert ruff.returncode == 0, ruff.stdout
+    lint = subprocess.run(["make", "-n", "lint"], cwd=project, capture_output=True, text=True, check=True).stdout
+    assert ("scripts/slurm/*" in lint) == ("slurm" in chosen)
+    scripts = [str(p) for p in project.glob("scripts/**/*") if p.suffix in (".sh", ".sbatch")]
+    check = subprocess.run([str(Path(sys.executable).parent / "shellcheck"), "-x", *scripts], cwd=project,
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+    readme = (project / "README.md").read_text() + (project / "docs" / "launching.md").read_text()
+    for name, used in (("slurm", "scripts/slurm/"), ("kubernetes", "k8s/"), ("skypilot", "sky/train.yaml")):
+        assert (used in readme) == (name in chosen), name
+    tests = [str(p.relative_to(project)) for p in (project / "tests" / "test_scripts.py",
+                                                   project / "tests" / "test_launchers.py") if p.is_file()]
+    proc = GeneratedSuite(project, *tests, "-m", "not slow", "-k", "not trains_with").result()
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -45,6 +45,16 @@ BAD_ANSWERS = [
     ({"wandb_project": "my project"}, "wandb_project 'my project' is not a plain name"),
     ({"wandb_project": "`id`"}, "wandb_project '`id`' is not a plain name"),
     ({"wandb_entity": "team/x"}, "wandb_entity 'team/x' is not a plain name"),
+    ({"launchers": "k8s"}, "launchers 'k8s' names 'k8s', which is not a launcher; use 'all' or a comma-separated list "
+                           "of slurm, kubernetes, skypilot"),
+    ({"launchers": "slurm,,"}, "launchers 'slurm,,' names '', which is not a launcher"),
+    ({"launchers": ""}, "launchers '' names '', which is not a launcher"),
+    ({"launchers": "slurm;kubernetes"}, "names 'slurm;kubernetes', which is not a launcher"),
+    ({"launchers": "kubernetes, sky"}, "names 'sky', which is not a launcher"),
+    ({"container_image": "My Image"}, "container_image 'My Image' is not an image reference"),
+    ({"container_image": "img:$(id)"}, "container_image 'img:$(id)' is not an image reference"),
+    ({"project_slug": "a" * 51}, f"project_slug '{'a' * 51}' gives the Kubernetes name '{'a' * 51}', which is not "
+                                 "1-50 lowercase letters, digits and '-'"),
 ]
 
 
@@ -68,6 +78,10 @@ def test_unknown_choice_is_refused_by_cookiecutter(tmp_path):
     {"slurm_time": "90", "slurm_account": "my_lab", "wandb_entity": "my-team", "slurm_partition": "a100"},
     {"micro_batch_size": "3", "global_batch_size": "96", "num_nodes": "4", "gpus_per_node": "8"},
     {"micro_batch_size": "4", "global_batch_size": "24", "gpus_per_node": "3"},
+    {"launchers": "slurm", "container_image": "My Image"},  # the image only matters to Kubernetes
+    {"launchers": "Kubernetes, SLURM", "container_image": "ghcr.io/my-team/acme-train:1.0"},
+    {"project_slug": "a" * 51, "launchers": "slurm,skypilot"},  # no Kubernetes name needed
+    {"project_slug": "Acme_Train_", "launchers": "kubernetes"},  # named acme-train there
 ])
 def test_good_answers_are_accepted(tmp_path, answers):
     proc = bake_cli(tmp_path, **answers)
@@ -84,7 +98,7 @@ def test_hostile_project_name_is_quoted_safely(tmp_path):
     for path in project.rglob("*.py"):
         py_compile.compile(str(path), doraise=True)
     for path in project.rglob("*.yaml"):
-        yaml.safe_load(path.read_text())
+        list(yaml.safe_load_all(path.read_text()))  # every document (k8s/ files hold two)
     for path in project.rglob("*.json"):
         json.loads(path.read_text())
     tomllib.loads((project / "pyproject.toml").read_text())

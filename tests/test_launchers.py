@@ -122,7 +122,8 @@ def test_jobset_is_a_valid_jobset_with_valid_pods(project):
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "cpu": 48}
     env = env_of(container["env"])
     assert_secret_key(env)
-    assert env["JOBSET_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['jobset.sigs.k8s.io/jobset-name']"
+    label = env["JOBSET_NAME"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert label == "metadata.labels['jobset.sigs.k8s.io/jobset-name']"
     # pod 0 of replicated job "node" under the headless service the JobSet names after itself
     assert env["MASTER_ADDR"]["value"] == "$(JOBSET_NAME)-node-0-0.$(JOBSET_NAME)"
     assert (env["NNODES"]["value"], env["NPROC_PER_NODE"]["value"]) == ("2", "8")
