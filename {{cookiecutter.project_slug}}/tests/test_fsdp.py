@@ -8,6 +8,7 @@ processes, accumulation 2); fsdp_grad_sync micro_step (a reduce-scatter every mi
 """
 
 import json
+import subprocess
 
 import pytest
 import torch
@@ -22,10 +23,15 @@ from {{ cookiecutter.project_slug }}.launch import check_back_end, launch_of
 from conftest import (
     ACCUM,
     GLOBAL_BATCH,
+    LAUNCH_TIMEOUT_S,
     ROOT,
+    SLUG,
     TASK,
     TOL,
+    assert_same_training,
     cell,
+    flag_args,
+    launch_cmd,
     max_abs_diff,
     max_loss_diff,
     report,
@@ -156,3 +162,43 @@ def test_fsdp_keys_that_cannot_apply_are_one_line(flags, entry, world_size, expe
 def test_fsdp_settings_out_of_range_are_one_line(flags, expected):
     with pytest.raises(ConfigError, match=f"^{expected}"):
         load_config(["--config", CONFIG, *flags])
+
+
+# train_pytorch with DCP's async_save wrapped: rank 0 is killed (SIGKILL) right after it starts
+# writing step 8's checkpoint in the background, while the shards are still being written.
+KILLED_IN_FLIGHT = f"""import os, signal, sys
+import torch.distributed.checkpoint as dcp
+from {SLUG} import train_pytorch
+started = dcp.async_save
+
+def killing(state, *, checkpoint_id, **kwargs):
+    written = started(state, checkpoint_id=checkpoint_id, **kwargs)
+    if "step_8" in str(checkpoint_id) and os.environ["RANK"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return written
+
+dcp.async_save = killing
+train_pytorch.main()
+"""
+
+
+@pytest.mark.slow
+def test_a_job_killed_while_an_asynchronous_checkpoint_is_written_resumes_from_the_one_before(runs, tmp_path):
+    flags, out = {**ACCUM, "fsdp": "full_shard", "async_checkpoint": "true", "save_steps": 4}, tmp_path / "out"
+    script = tmp_path / "killed_in_flight.py"
+    script.write_text(KILLED_IN_FLIGHT)
+    cmd = launch_cmd("pytorch", 2)
+    cmd[-2:] = [str(script)]
+    proc = subprocess.run(cmd + flag_args(flags) + ["--output_dir", str(out)], cwd=ROOT, env=runs.env,
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 1 and "exitcode  : -9" in proc.stderr, proc.stderr[-3000:]
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints == [".tmp_step_8", "step_4"], checkpoints  # step 8's shards half-written, unpublished
+    assert (out / "checkpoints" / "step_4" / "dcp" / ".metadata").is_file()
+    assert not (out / "checkpoints" / ".tmp_step_8" / "state.json").exists()
+
+    resumed = runs.run("pytorch", 2, out, {**flags, "resume_from_checkpoint": "auto"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming after step 4" in resumed.stdout
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_4", "step_8"]
+    assert_same_training(resumed, fsdp_run(runs, "full_shard", "micro_step"))

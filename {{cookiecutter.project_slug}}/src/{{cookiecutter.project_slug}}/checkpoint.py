@@ -14,6 +14,8 @@ import shlex
 import shutil
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -266,12 +268,36 @@ def _attempt(env: DistEnv, output_dir: str, what: str, action: Callable[[], None
         raise WriteFailed(what, reason, output_dir)
 
 
-def write_atomically(cfg: TrainConfig, env: DistEnv, final: Path, write: Callable[[Path], None],
-                     state: dict) -> Path:
+@dataclass
+class PendingWrite:
+    """A folder whose files are still being written in the background (an asynchronous checkpoint):
+    `finish()` waits for them on every process, then publishes it. Until then, and if the job dies
+    first, the newest complete checkpoint stays the one before."""
+
+    cfg: TrainConfig
+    env: DistEnv
+    tmp: Path
+    final: Path
+    state: dict
+    written: Future
+
+    def finish(self) -> Path:
+        try:
+            _attempt(self.env, self.cfg.output_dir, self.final.name, self.written.result)
+            return publish(self.cfg, self.env, self.tmp, self.final, self.state)
+        except JobFailed:
+            if self.env.is_main_process:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+
+
+def write_atomically(cfg: TrainConfig, env: DistEnv, final: Path, write: Callable[[Path], object],
+                     state: dict) -> "Path | PendingWrite":
     """Run `write(folder)` on every process into a temporary folder beside `final`, then publish it
     as `final` with `state` in its state.json. A failed write on any process stops every process
-    with one line; `final` is untouched, the partial folder removed."""
-    tmp = final.with_name(f".tmp_{final.name}")
+    with one line; `final` is untouched, the partial folder removed. A `write` that returns a Future
+    (its files still being written) gives a PendingWrite, to finish later."""
+    tmp, written = final.with_name(f".tmp_{final.name}"), []
 
     def make_tmp() -> None:
         if env.is_main_process:
@@ -280,7 +306,9 @@ def write_atomically(cfg: TrainConfig, env: DistEnv, final: Path, write: Callabl
 
     try:
         _attempt(env, cfg.output_dir, final.name, make_tmp)
-        _attempt(env, cfg.output_dir, final.name, lambda: write(tmp))
+        _attempt(env, cfg.output_dir, final.name, lambda: written.append(write(tmp)))
+        if isinstance(written[0], Future):
+            return PendingWrite(cfg, env, tmp, final, state, written[0])
         return publish(cfg, env, tmp, final, state)
     except JobFailed:
         if env.is_main_process:

@@ -13,11 +13,10 @@ from pathlib import Path
 import torch
 
 from .checkpoint import (
+    PendingWrite,
     checkpoints_dir,
     final_dir,
     newest_checkpoint,
-    rng_state,
-    set_rng_state,
     write_atomically,
     write_final,
 )
@@ -28,7 +27,7 @@ from .noise import NoiseScale
 from .speed import compiled_graphs, flop_counts, matmul_precision, numel, training_flops
 from .startup import AUTO_CEILING, Run
 from .tracking import Tracker
-from .windows import MicroBatchRetry, Window
+from .windows import MicroBatchRetry, Window, windows_from
 
 
 class Session:
@@ -50,6 +49,7 @@ class Session:
         self.job_steps = 0  # optimizer steps taken by this job (a resumed job starts again at 0)
         self.nonfinite: list[int] = []  # the latest consecutive non-finite steps
         self.stop_reason = ""
+        self.pending: PendingWrite | None = None  # a checkpoint still being written in the background
         self.last_elapsed_s = 0.0
         self.flop_counts = flop_counts(model)
         self.input_lengths, self.example_targets = example_sizes(run.data["train"], self.cfg.task)
@@ -93,25 +93,8 @@ class Session:
         return train, evaluation
 
     def windows(self, loader) -> Iterator[Window]:
-        """From the resume point on, each optimizer step's window with this rank's micro-batches (the
-        step's grad_accum_steps of them, fewer in an epoch's short last window). A window dropped for
-        an out-of-memory error comes again, cut into the smaller micro-batches, from the same RNG state."""
-        done, random_state = self.run.start_step, None
-        while done < self.run.total_steps:
-            epoch, s = self.sampler.epoch_of(done)
-            self.sampler.set_epoch(epoch, s)
-            micro_batches = iter(loader)  # (draws the loader's seed from torch's generator)
-            if random_state is not None:  # a window taken again: from where the dropped attempt began
-                set_rng_state(random_state)
-            end = min(self.sampler.steps_per_epoch, s + self.run.total_steps - done)
-            while s < end:
-                window = self.sampler.window_at(done, [next(micro_batches) for _ in range(self.sampler.micro_steps(s))])
-                random_state = rng_state() if self.retry.enabled else None
-                yield window
-                if self.retry.retrying:  # the loader starts again at this window, with the smaller micro batch
-                    self.retry.retrying = False
-                    break
-                s, done = s + 1, done + 1
+        """From the resume point on, each optimizer step's window (windows.windows_from)."""
+        return windows_from(loader, self.sampler, self.retry, self.run.start_step, self.run.total_steps)
 
     def every_micro_step_syncs(self) -> bool:
         """Whether each micro-step of this window runs a collective: with DDP on 2 or more processes,
@@ -225,13 +208,23 @@ class Session:
             self.stop_reason = "preemption signal (SIGUSR1)"
         return bool(self.stop_reason)
 
-    def save_checkpoint(self, step: int, write) -> Path:
-        """checkpoints/step_<step>, written by `write(folder)` on every process, atomically."""
-        return write_atomically(self.cfg, self.env, checkpoints_dir(self.cfg.output_dir) / f"step_{step}", write,
-                                self.state(step))
+    def save_checkpoint(self, step: int, write) -> None:
+        """checkpoints/step_<step>, written by `write(folder)` on every process, atomically (a write
+        still under way in the background is published at the next save, or at the end)."""
+        self.finish_checkpoint()
+        written = write_atomically(self.cfg, self.env, checkpoints_dir(self.cfg.output_dir) / f"step_{step}", write,
+                                   self.state(step))
+        self.pending = written if isinstance(written, PendingWrite) else None
+
+    def finish_checkpoint(self) -> None:
+        """Wait for the checkpoint written in the background, if any, and publish it."""
+        if self.pending is not None:
+            self.pending.finish()
+            self.pending = None
 
     def save_final(self, write) -> None:
         """final_model/, written by `write(folder)` on every process, atomically: the run is finished."""
+        self.finish_checkpoint()
         write_final(self.cfg, self.env, write, self.state(self.step))
 
     def save_model(self, model, state_dict: dict | None = None) -> None:
@@ -252,6 +245,7 @@ class Session:
 
     def stopped(self) -> None:
         """The last words of a job that stops early (its checkpoint written): how to continue."""
+        self.finish_checkpoint()
         print0(f"stopping after {self.job_steps} steps of this job (step {self.step} of {self.run.total_steps}), "
                f"on {self.stop_reason}; continue with --resume_from_checkpoint auto")
         self.tracker.finish()

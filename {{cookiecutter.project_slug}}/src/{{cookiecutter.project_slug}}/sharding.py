@@ -117,6 +117,18 @@ def training_state(model: torch.nn.Module, optimizer) -> dict:
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
+def save_sharded(model: torch.nn.Module, optimizer, folder: Path, background=None):
+    """Each rank writes its shards of the model and optimizer into `folder`. With `background` (a
+    gloo group of its own: on the training group the writer's collectives would interleave with
+    training's and hang) the state is copied to host memory, written by a thread while training
+    goes on, and its Future returned."""
+    state = training_state(model, optimizer)
+    if background is None:
+        dcp.save(state, checkpoint_id=folder / DCP_DIR)
+        return None
+    return dcp.async_save(state, checkpoint_id=folder / DCP_DIR, process_group=background)
+
+
 def load_sharded(model: torch.nn.Module, optimizer, folder: Path) -> None:
     """Load a sharded checkpoint's model and optimizer, resharded to this run's world size and
     mesh, or gathered whole for an unsharded model."""

@@ -69,9 +69,9 @@ class Run:
                              min_rows=2 if self.cfg.compile else 1)
 
     def init_distributed(self) -> None:
-        """Join the process group (once; one process joins none, unless it runs DeepSpeed)."""
+        """Join the process group (once; one process joins none, unless it runs DeepSpeed or FSDP2)."""
         init_distributed(self.env, self.cfg.rendezvous_timeout_s, self.cfg.collective_timeout_s,
-                         alone_too=self.launch.backend == "deepspeed")
+                         alone_too=self.launch.backend == "deepspeed" or self.cfg.fsdp != "none")
 
     def state(self, step: int, micro_batch_size: int, ceiling: int, noise: list[float]) -> dict:
         """What a checkpoint (or the finished model) records besides its files: a later job checks

@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
+import torch.distributed as dist
 from safetensors.torch import load_model, save_model
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -39,8 +39,8 @@ from .sharding import (
     gradient_sync,
     load_sharded,
     load_whole_optimizer,
+    save_sharded,
     shard,
-    training_state,
     whole_model_state,
 )
 from .speed import COMPILE
@@ -141,16 +141,18 @@ def train(cfg: TrainConfig) -> None:
     session = Session(run, model, sync_counter=sync_counter)
     train_loader, eval_loader = session.loaders()
 
-    def write_checkpoint(folder: Path) -> None:
+    background = dist.new_group(backend="gloo") if cfg.async_checkpoint else None  # the writer's own group
+
+    def write_checkpoint(folder: Path):
         save_rng(folder, env.rank)
-        if sharded:  # each rank writes its shards
-            dcp.save(training_state(model, optimizer), checkpoint_id=folder / DCP_DIR)
-        elif env.is_main_process:
-            save_model(model, str(folder / "model.safetensors"))
         if env.is_main_process:
             torch.save({**({} if sharded else {"optimizer": optimizer.state_dict()}),
                         "lr_scheduler": lr_scheduler.state_dict(), "scaler": scaler.state_dict()},
                        folder / "training_state.pt")
+        if sharded:  # each rank writes its shards (in the background: a Future, published later)
+            return save_sharded(model, optimizer, folder, background)
+        if env.is_main_process:
+            save_model(model, str(folder / "model.safetensors"))
 
     model.train()
     for window in session.windows(train_loader):

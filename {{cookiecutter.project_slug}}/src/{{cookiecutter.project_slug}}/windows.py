@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .batch import BatchPlan, largest_divisor
+from .checkpoint import rng_state, set_rng_state
 from .distributed import DistEnv, ranks_with
 from .errors import JobFailed, first_line
 
@@ -221,3 +222,26 @@ class MicroBatchRetry:
                 "not even one example fits: use gradient_checkpointing, mixed_precision or a shorter max_seq_len")
         return JobFailed(f"rank {self.env.rank} ran out of memory in a synchronising micro-step at micro batch "
                          f"{self.sampler.plan.micro_batch_size} ({first_line(err)}); the job stops, {then}")
+
+
+def windows_from(loader, sampler: WindowSampler, retry: "MicroBatchRetry", start_step: int,
+                 total_steps: int) -> Iterator[Window]:
+    """From `start_step` on, each optimizer step's window with this rank's micro-batches of `loader`
+    (the step's grad_accum_steps of them, fewer in an epoch's short last window). A window dropped
+    for an out-of-memory error comes again, cut into the smaller micro-batches, from the same RNG state."""
+    done, random_state = start_step, None
+    while done < total_steps:
+        epoch, s = sampler.epoch_of(done)
+        sampler.set_epoch(epoch, s)
+        micro_batches = iter(loader)  # (draws the loader's seed from torch's generator)
+        if random_state is not None:  # a window taken again: from where the dropped attempt began
+            set_rng_state(random_state)
+        end = min(sampler.steps_per_epoch, s + total_steps - done)
+        while s < end:
+            window = sampler.window_at(done, [next(micro_batches) for _ in range(sampler.micro_steps(s))])
+            random_state = rng_state() if retry.enabled else None
+            yield window
+            if retry.retrying:  # the loader starts again at this window, with the smaller micro batch
+                retry.retrying = False
+                break
+            s, done = s + 1, done + 1
