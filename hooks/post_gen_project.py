@@ -26,8 +26,8 @@ def unchosen_paths(answers: dict) -> list[Path]:
             paths += [Path("src", SLUG, f"train_{entry}.py"), Path("tests", f"test_{entry}.py")]
     if "trainer" not in chosen:
         paths.append(Path("src", SLUG, "trainer_adapters.py"))
-    if "pytorch" not in chosen:  # FSDP2 is train_pytorch's own
-        paths += [Path("src", SLUG, "sharding.py"), Path("tests", "test_fsdp.py")]
+    if "pytorch" not in chosen:  # FSDP2 training is train_pytorch's (sharding.py also serves the benchmarks)
+        paths.append(Path("tests", "test_fsdp.py"))
     # Accelerate and DeepSpeed launch the accelerate and trainer entry points, not plain PyTorch.
     slurm = Path("scripts", "slurm")
     if chosen == ("pytorch",):

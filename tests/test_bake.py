@@ -31,8 +31,8 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str, launchers
         "scripts/flags.sh",
         *(f"{pkg}/{m}.py" for m in ("__init__", "batch", "checkpoint", "checkpoint_files", "cli", "config", "data",
                                      "data_cache", "distributed", "errors", "evaluation", "launch", "memory", "model",
-                                     "noise", "optim", "output_lock", "prepare", "prepare_data", "session", "sources",
-                                     "speed", "startup", "torchrun", "tracking", "windows")),
+                                     "noise", "optim", "output_lock", "prepare", "prepare_data", "session", "sharding",
+                                     "sources", "speed", "startup", "torchrun", "tracking", "windows")),
         *(f"docs/{name}.md" for name in ("batch", "data", "guarantees", "launching", "memory", "performance")),
         *(f"{pkg}/assets/data/{t}/{s}.jsonl" for t in TASKS for s in ("train", "validation")),
         f"{pkg}/assets/tokenizer/tokenizer.json", f"{pkg}/assets/tokenizer/tokenizer_config.json",
@@ -41,16 +41,16 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str, launchers
                                     "test_faults", "test_inputs", "test_levers", "test_parity", "test_resume",
                                     "test_scripts", "test_speed", "test_wandb")),
         "tests/test_benchmarks.py", "docs/loss_curves.png", "docs/noise_scale.png",
-        *(f"benchmarks/{m}.py" for m in ("__init__", "__main__", "abab", "bare_loop", "common", "communication",
-                                         "data", "gpu_check", "library_loops", "loss_curves", "memory", "overhead",
-                                         "startup")),
+        *(f"benchmarks/{m}.py" for m in ("__init__", "__main__", "abab", "bare_loop", "checkpointing", "common",
+                                         "communication", "data", "gpu_check", "library_loops", "loss_curves",
+                                         "memory", "overhead", "startup")),
     }
     for entry in entries:
         files |= {f"{pkg}/train_{entry}.py", f"tests/test_{entry}.py"}
     if "trainer" in entries:
         files.add(f"{pkg}/trainer_adapters.py")
     if "pytorch" in entries:
-        files |= {f"{pkg}/sharding.py", "tests/test_fsdp.py"}
+        files.add("tests/test_fsdp.py")
     sbatch = {"torchrun"}
     if entries != ("pytorch",):
         files |= {f"configs/accelerate/{name}.yaml" for name in ("single", "multi_gpu", "multi_node", "fsdp")}

@@ -1,4 +1,4 @@
-"""Every benchmark in one command: start-up, memory, communication and loop overhead, each
+"""Every benchmark in one command: start-up, memory, communication, checkpointing and loop overhead, each
 printing its table and writing its key of bench/results.json, and the plots beside it
 (README, "Performance").
 
@@ -6,13 +6,13 @@ printing its table and writing its key of bench/results.json, and the plots besi
     python -m benchmarks --model gpt2-small --mixed_precision bf16  # a GPU (2 for communication)
 """
 
-from . import communication, memory, overhead, startup
+from . import checkpointing, communication, memory, overhead, startup
 from .common import parser
 
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
-    for benchmark in (startup, memory, communication, overhead):  # start-up first: nothing cached yet
+    for benchmark in (startup, memory, communication, checkpointing, overhead):  # start-up first: nothing cached yet
         benchmark.run(args)
     print(f"\nresults: {args.results}")
 

@@ -9,21 +9,20 @@ one, else the CPU); `--model gpt2-small --mixed_precision bf16` is the GPU setti
 import argparse
 import atexit
 import json
-import math
 import os
 import platform
 import shutil
 import socket
 import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from {{ cookiecutter.project_slug }}.config import TrainConfig, load_config
+from {{ cookiecutter.project_slug }}.distributed import DistEnv, dist_env
 from {{ cookiecutter.project_slug }}.model import autocast_for, count_targets, load_tokenizer, summed_loss
+from {{ cookiecutter.project_slug }}.sharding import clip_gradients, gradient_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 SLUG = "{{ cookiecutter.project_slug }}"
@@ -100,9 +99,10 @@ def prepare_model(args: argparse.Namespace) -> None:
 
 
 def optimizer_step(model, window: list[dict], optimizer, cfg: TrainConfig, device: torch.device,
-                   no_sync: bool = True) -> None:
+                   no_sync: bool = True, on_gradients=None) -> None:
     """One optimizer step over the micro-batches of `window`, written plainly: forward and backward
-    of each (under DDP's no_sync() on all but the last, when `no_sync`), clip, step, zero_grad.
+    of each (DDP's no_sync() on all but the last when `no_sync`; FSDP2 as cfg.fsdp_grad_sync says),
+    `on_gradients()` if given, clip, step, zero_grad.
 
     Each micro-batch's summed loss is divided by the real targets of the window on this process
     (the entry points divide by those of all processes: the same work, another scale)."""
@@ -110,12 +110,13 @@ def optimizer_step(model, window: list[dict], optimizer, cfg: TrainConfig, devic
     for micro_step, micro_batch in enumerate(window):
         batch = {key: value.to(device, non_blocking=True) for key, value in micro_batch.items()}
         labels = batch.pop("labels")
-        skip_sync = isinstance(model, DDP) and no_sync and micro_step < len(window) - 1
-        with model.no_sync() if skip_sync else nullcontext():
+        with gradient_sync(model, micro_step == len(window) - 1, no_sync, cfg.fsdp_grad_sync):
             with autocast_for(cfg, device):
                 logits = model(**batch).logits
             (summed_loss(logits, labels, cfg.task) / num_targets).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
+    if on_gradients is not None:
+        on_gradients()
+    clip_gradients(model, cfg.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -144,6 +145,19 @@ def subprocess_env() -> dict:
     for key, value in {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}.items():
         env.setdefault(key, value)
     return env
+
+
+def spawned_process(rank: int, world_size: int, port: int) -> DistEnv:
+    """In a process that a benchmark spawned itself (torch.multiprocessing): torchrun's variables
+    for `rank` of `world_size` on this machine, loopback and, as torchrun does, one CPU thread per
+    process unless set. The process then joins with distributed.init_distributed."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_PORT=str(port))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    return dist_env()
 
 
 def _cpu_model() -> str:

@@ -16,7 +16,6 @@ are 2 GPUs). Micro-batches: the worst case, max_seq_len real tokens each.
 """
 
 import json
-import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from {{ cookiecutter.project_slug }}.config import load_config
-from {{ cookiecutter.project_slug }}.distributed import GradSyncCounter, cleanup, dist_env, init_distributed, wrap_ddp
+from {{ cookiecutter.project_slug }}.distributed import GradSyncCounter, cleanup, init_distributed, wrap_ddp
 from {{ cookiecutter.project_slug }}.memory import worst_case_batch
 from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
 from {{ cookiecutter.project_slug }}.noise import NoiseScale, read_norms
@@ -41,6 +40,7 @@ from .common import (
     print_table,
     save_powers_of_two_plot,
     save_results,
+    spawned_process,
     train_flags,
 )
 
@@ -96,14 +96,8 @@ def noise_cost(model, cfg, env, config, pairs: int) -> dict:
 def worker(rank: int, port: int, flags: list[str], variants: list[tuple[int, bool]], steps: int, out: str) -> None:
     """One of the 2 processes: every variant in turn, each on a fresh model; rank 0 writes the rows
     and the settings. Loopback and, as torchrun does, one CPU thread per process unless set."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE),
-                      LOCAL_WORLD_SIZE=str(WORLD_SIZE), MASTER_PORT=str(port))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
+    env = spawned_process(rank, WORLD_SIZE, port)
     cfg = load_config(flags)
-    env = dist_env()
     config = model_config(cfg, load_tokenizer(cfg))
     init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s)
     rows = []

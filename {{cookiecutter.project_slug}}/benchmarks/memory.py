@@ -8,31 +8,55 @@ from `memory.peak_bytes`: torch.cuda.max_memory_allocated on a GPU; on CPU, memo
 step so that the optimizer state exists. Micro-batches are the worst case, max_seq_len real tokens
 each (`memory.worst_case_batch`), not the data.
 
+Sharded, the same window on 4 processes (each rank's peak, and the bytes of parameters, gradients
+and optimizer state it holds): DDP, FSDP2 full_shard with each gradient-sync mode, and HSDP as 2
+replicas x 2 shards, all at accumulation 4 (SHARDED_ACCUM).
+
     python -m benchmarks.memory                                            # CPU: the tiny model
-    python -m benchmarks.memory --model gpt2-small --mixed_precision bf16  # a GPU
+    python -m benchmarks.memory --model gpt2-small --mixed_precision bf16  # a GPU (4 for the sharded rows)
 """
 
+import json
+import tempfile
+from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
-from {{ cookiecutter.project_slug }}.distributed import dist_env
+from {{ cookiecutter.project_slug }}.config import load_config
+from {{ cookiecutter.project_slug }}.distributed import cleanup, dist_env, init_distributed, wrap_ddp
 from {{ cookiecutter.project_slug }}.memory import MIB, peak_bytes, worst_case_batch
 from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
 from {{ cookiecutter.project_slug }}.optim import build_optimizer
+from {{ cookiecutter.project_slug }}.sharding import shard
 
 from .common import (
     figure,
+    free_port,
     optimizer_step,
     parser,
     prepare_model,
     print_table,
+    save_figure,
     save_powers_of_two_plot,
     save_results,
+    spawned_process,
     train_config,
+    train_flags,
 )
 
 GOAL = 1.1  # peak of b x k over the peak of a plain step at b
+SHARDED_WORLD_SIZE, SHARDED_ACCUM = 4, 4
+# (name, the config keys that choose it)
+SHARDED_MODES = (("DDP", {"fsdp": "none"}),
+                 ("full_shard micro_step", {"fsdp": "full_shard", "fsdp_grad_sync": "micro_step"}),
+                 ("full_shard window", {"fsdp": "full_shard", "fsdp_grad_sync": "window"}),
+                 ("hybrid_shard 2x2 micro_step", {"fsdp": "hybrid_shard", "fsdp_replicas": 2,
+                                                  "fsdp_grad_sync": "micro_step"}))
 
 
 def measure(model, optimizer, cfg, config, device, micro_batch_size: int, grad_accum_steps: int) -> int:
@@ -58,6 +82,56 @@ def measure_all(cfg, device, divisors: tuple[int, ...]) -> tuple[list[dict], int
     return rows, sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def local_bytes(tensors) -> int:
+    """Bytes this process holds of `tensors` (of a sharded tensor, its own shard)."""
+    return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors if t is not None)
+
+
+def sharded_worker(rank: int, port: int, flags: list[str], out: str) -> None:
+    """One of the processes: each mode on a fresh model, a warm-up step, then the measured step;
+    rank 0 writes the rows (each number the largest over the ranks)."""
+    env = spawned_process(rank, SHARDED_WORLD_SIZE, port)
+    base = load_config(flags)
+    config = model_config(base, load_tokenizer(base))
+    init_distributed(env, base.rendezvous_timeout_s, base.collective_timeout_s)
+    micro_batch = base.global_batch_size // (SHARDED_WORLD_SIZE * SHARDED_ACCUM)
+    window = [worst_case_batch(base, config, micro_batch, env.device)] * SHARDED_ACCUM
+    rows = []
+    for name, keys in SHARDED_MODES:
+        cfg = replace(base, **keys)
+        model = build_model(cfg, config).to(env.device)
+        model = shard(model, cfg, env) if cfg.fsdp != "none" else model
+        wrapped = wrap_ddp(model, env, cfg.ddp_bucket_cap_mb) if cfg.fsdp == "none" else model
+        optimizer = build_optimizer(model, cfg, env.device)
+        held = {}
+
+        def count_gradients(model=model, held=held) -> None:
+            held["gradient_bytes"] = local_bytes(p.grad for p in model.parameters())
+
+        step = partial(optimizer_step, wrapped, window, optimizer, cfg, env.device, on_gradients=count_gradients)
+        step()  # the optimizer state exists before the measured step
+        held["peak_bytes"] = peak_bytes(step, env.device, model, optimizer)
+        held["parameter_bytes"] = local_bytes(model.parameters())
+        held["optimizer_bytes"] = local_bytes(t for state in optimizer.state.values() for t in state.values()
+                                              if isinstance(t, torch.Tensor) and t.dim())
+        largest = torch.tensor(list(held.values()), dtype=torch.float64, device=env.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        rows.append({"mode": name, "world_size": SHARDED_WORLD_SIZE, "grad_accum_steps": SHARDED_ACCUM,
+                     "micro_batch_size": micro_batch, **dict(zip(held, map(int, largest.tolist()), strict=True))})
+        del wrapped, model, optimizer
+    if env.is_main_process:
+        Path(out).write_text(json.dumps(rows))
+    cleanup()
+
+
+def sharded_rows(args) -> list[dict]:
+    """Every sharded mode measured on SHARDED_WORLD_SIZE processes this command starts itself."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        mp.spawn(sharded_worker, args=(free_port(), train_flags(args), str(out)), nprocs=SHARDED_WORLD_SIZE)
+        return json.loads(out.read_text())
+
+
 def run(args) -> list[dict]:
     prepare_model(args)
     cfg = train_config(args)
@@ -71,6 +145,11 @@ def run(args) -> list[dict]:
                 "max_seq_len": cfg.max_seq_len, "optimizer": cfg.optimizer, "goal_ratio": GOAL,
                 "parameter_bytes": parameter_bytes}
     report(args, rows, settings)
+    gpus = torch.cuda.device_count()
+    if 0 < gpus < SHARDED_WORLD_SIZE:
+        print(f"memory, sharded: skipped, {SHARDED_WORLD_SIZE} processes need as many GPUs; this machine has {gpus}")
+    else:
+        report_sharded(args, sharded_rows(args), settings)
     return rows
 
 
@@ -88,6 +167,25 @@ def report(args, rows: list[dict], settings: dict) -> None:
     ax.plot(sizes, [GOAL * row["baseline"] for row in table], ":", color="gray", label=f"goal: {GOAL} x plain step")
     save_powers_of_two_plot(fig, ax, sizes, args.results.parent / "memory.png")
     save_results(args, "memory", rows, settings)
+
+
+def report_sharded(args, rows: list[dict], settings: dict) -> None:
+    table = [{**row, **{key[:-6]: row[key] / MIB for key in row if key.endswith("_bytes")}} for row in rows]
+    print_table(f"memory per process, sharded: {SHARDED_WORLD_SIZE} processes x accumulation {SHARDED_ACCUM}, "
+                f"global batch {settings['global_batch_size']} ({settings['method']}, the largest rank)",
+                {"mode": "{mode}", "peak MiB": "{peak:.2f}", "parameters MiB": "{parameter:.2f}",
+                 "gradients MiB": "{gradient:.2f}", "optimizer MiB": "{optimizer:.2f}"}, table)
+    fig, ax = figure(f"Memory per process, {SHARDED_WORLD_SIZE} processes x accumulation {SHARDED_ACCUM}",
+                     "", "MiB")
+    names = [row["mode"] for row in table]
+    for i, (key, label) in enumerate((("peak", "peak of the step"), ("parameter", "parameters held"),
+                                      ("gradient", "gradients at the step"), ("optimizer", "optimizer state"))):
+        ax.bar([x + 0.2 * i for x in range(len(names))], [row[key] for row in table], width=0.2, label=label)
+    ax.set_xticks([x + 0.3 for x in range(len(names))], names, fontsize=8)
+    ax.legend(fontsize=8)
+    save_figure(fig, args.results.parent / "memory_sharded.png")
+    save_results(args, "memory_sharded", rows, {**settings, "world_size": SHARDED_WORLD_SIZE,
+                                                "grad_accum_steps": SHARDED_ACCUM})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,11 @@
 """The benchmarks measure what they claim (README, "Performance"), in their quick mode: DDP sends one
 gradient's worth of bytes per optimizer step with no_sync() and k times that without; the peak
-memory of an optimizer step follows the micro batch, not the global batch; loss_curves draws the
+memory of an optimizer step follows the micro batch, not the global batch, and sharding divides
+what each process holds; a sharded save blocks or writes in the background; loss_curves draws the
 runs it is given."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -12,8 +14,9 @@ import time
 import pytest
 import torch
 
-from benchmarks import communication, loss_curves, memory, overhead
-from benchmarks.common import SLUG, entry_points, parser, subprocess_env, train_flags
+from benchmarks import checkpointing, communication, loss_curves, memory, overhead
+from benchmarks.common import SLUG, entry_points, parser, subprocess_env, train_config, train_flags
+from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
 
 from conftest import LAUNCH_TIMEOUT_S, ROOT, report
 
@@ -56,6 +59,25 @@ def test_peak_memory_follows_the_micro_batch(tmp_path):
     report(f"memory: peak of one optimizer step {full['peak_bytes'] / 2**20:.1f} MiB at micro batch "
            f"{full['micro_batch_size']}, {half['peak_bytes'] / 2**20:.1f} MiB as {half['micro_batch_size']} x 2 "
            f"({half['ratio']:.3f} x a plain step at {half['micro_batch_size']})")
+    if 0 < torch.cuda.device_count() < memory.SHARDED_WORLD_SIZE:
+        return
+    rows = {row["mode"]: row for row in json.loads((tmp_path / "results.json").read_text())["memory_sharded"]}
+    assert list(rows) == [name for name, _ in memory.SHARDED_MODES]
+    # what the largest rank holds of each parameter: all of it (DDP), or its first shard of dim 0
+    # split into as many parts as the mesh shards it (FSDP2 pads the last)
+    cfg = train_config(quick_args(tmp_path))
+    shapes = [p.shape for p in build_model(cfg, model_config(cfg, load_tokenizer(cfg))).parameters()]
+    for name, shards in (("DDP", 1), ("full_shard micro_step", 4), ("full_shard window", 4),
+                         ("hybrid_shard 2x2 micro_step", 2)):
+        held = sum(-(-shape[0] // shards) * math.prod(shape[1:]) * 4 for shape in shapes)  # fp32
+        assert rows[name]["parameter_bytes"] == held, name
+        assert rows[name]["gradient_bytes"] == held, name  # the step's gradients, sharded as the parameters
+        assert rows[name]["optimizer_bytes"] == 2 * held, name  # AdamW's two moments
+    assert rows["full_shard micro_step"]["peak_bytes"] < rows["DDP"]["peak_bytes"]
+    assert rows["full_shard window"]["peak_bytes"] > rows["full_shard micro_step"]["peak_bytes"]  # whole gradients held
+    assert (tmp_path / "memory_sharded.png").stat().st_size > 0
+    report("memory per process, 4 processes x 4 micro-steps, peak MiB: " + ", ".join(
+        f"{name} {row['peak_bytes'] / 2**20:.2f}" for name, row in rows.items()))
 
 
 def test_loss_curves_plots_every_run(tmp_path):
@@ -166,3 +188,19 @@ def test_the_gpu_checks_cpu_self_test_runs_every_section_and_writes_each_as_it_i
     speeds = ", ".join(f"{row['loop']} {row['tokens_per_s']:,} tokens/s" for row in result["speed"])
     report(f"gpu_check --device cpu: {speeds}; {result['auto_micro_batch']}; 2 ranks: max |param diff| "
            f"{parity['max_param_diff']:.3g}")
+
+
+@pytest.mark.slow
+def test_a_sharded_save_blocks_or_writes_in_the_background(tmp_path):
+    if 0 < torch.cuda.device_count() < checkpointing.WORLD_SIZE:
+        pytest.skip(f"{checkpointing.WORLD_SIZE} processes need {checkpointing.WORLD_SIZE} GPUs")
+    (row,) = checkpointing.run(quick_args(tmp_path))
+    assert json.loads((tmp_path / "results.json").read_text())["checkpointing"] == [row]
+    assert row["checkpoint_bytes"] > 0
+    for key in ("sync_blocking_s", "async_blocking_s", "async_written_s", "step_in_flight_s", "step_s"):
+        assert row[key] > 0 and len(row[f"{key}_quartiles"]) == 3
+    assert row["async_written_s"] >= row["async_blocking_s"]  # written after it stopped blocking
+    report(f"checkpointing (quick): training waits {row['sync_blocking_s'] * 1000:.1f} ms for dcp.save, "
+           f"{row['async_blocking_s'] * 1000:.1f} ms for async_save (written after {row['async_written_s'] * 1000:.1f}"
+           f" ms); a step with the write in flight {row['step_in_flight_s'] * 1000:.1f} ms, without "
+           f"{row['step_s'] * 1000:.1f} ms")

@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -34,6 +35,8 @@ class LiveBytes(TorchDispatchMode):
 
     def add(self, tensors: Iterable) -> None:
         for tensor in tensors:
+            if isinstance(tensor, DTensor):  # a shard of a tensor that is split across the processes
+                tensor = tensor.to_local()
             if not isinstance(tensor, torch.Tensor) or tensor.device.type != self.device_type:
                 continue
             storage = tensor.untyped_storage()

@@ -53,14 +53,14 @@ def shard(model: torch.nn.Module, cfg: TrainConfig, env: DistEnv) -> FSDPModule:
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def gradient_sync(model, cfg: TrainConfig, is_last: bool):
+def gradient_sync(model, is_last: bool, ddp_no_sync: bool = True, fsdp_grad_sync: str = "micro_step"):
     """Around one micro-step: the gradient sync it runs. DDP: `no_sync()` on all but the window's
     last (ddp_no_sync). FSDP2: a reduce-scatter every micro-step (fsdp_grad_sync micro_step) or on
     the last only (window); HSDP's all-reduce across replicas on the last only, in either mode."""
     if isinstance(model, DDP):
-        return model.no_sync() if cfg.ddp_no_sync and not is_last else nullcontext()
+        return model.no_sync() if ddp_no_sync and not is_last else nullcontext()
     if isinstance(model, FSDPModule):
-        if cfg.fsdp_grad_sync == "window":
+        if fsdp_grad_sync == "window":
             model.set_requires_gradient_sync(is_last)
         else:
             model.set_requires_all_reduce(is_last)

@@ -68,7 +68,7 @@ def train_step(ddp_model, forward, window: Window, optimizer, lr_scheduler, scal
         if is_last and not session.window_fits():  # micro_batch_size auto: out of memory on some rank
             optimizer.zero_grad(set_to_none=True)  # every rank drops the window; it comes again, smaller
             return None
-        with session.micro_step(is_last), gradient_sync(ddp_model, cfg, is_last):
+        with session.micro_step(is_last), gradient_sync(ddp_model, is_last, cfg.ddp_no_sync, cfg.fsdp_grad_sync):
             batch = {k: v.to(env.device, non_blocking=True) for k, v in micro_batch.items()}
             labels = batch.pop("labels")
             with autocast():
