@@ -104,38 +104,39 @@ def test_the_final_model_of_a_sharded_run_is_one_hugging_face_folder(runs):
 
 @pytest.mark.slow
 def test_a_sharded_checkpoint_continues_on_other_world_sizes_meshes_and_unsharded(runs, tmp_path):
-    """One run of 8 steps in four jobs, each continuing the one before from its checkpoint:
-    full_shard on 2 processes -> HSDP 2x2 on 4 (2 -> 4, FSDP -> HSDP) -> no sharding on 1 process
-    (a sharded checkpoint gathered whole) -> full_shard on 2 (an unsharded checkpoint sharded).
-    The global batch, its examples and the schedule stay; the parameters match the straight run."""
+    """One run of 8 steps in five jobs, each continuing the one before from its checkpoint:
+    full_shard on 2 processes -> HSDP 2x2 on 4 (2 -> 4, FSDP -> HSDP) -> full_shard on 2 (HSDP ->
+    FSDP) -> no sharding on 1 process (a sharded checkpoint gathered whole) -> full_shard on 2 (an
+    unsharded checkpoint sharded). The global batch, its examples and the schedule stay; the
+    parameters match the straight run."""
     straight = fsdp_run(runs, "full_shard", "micro_step")
     out = tmp_path / "run"
-    hops = [(2, {"fsdp": "full_shard", "micro_batch_size": 2}), (4, {"fsdp": "hybrid_shard", "fsdp_replicas": 2,
-                                                                     "micro_batch_size": 2}),
-            (1, {"fsdp": "none", "micro_batch_size": 4}), (2, {"fsdp": "full_shard", "micro_batch_size": 2})]
-    for hop, (nproc, flags) in enumerate(hops):
-        job = runs.run("pytorch", nproc, out, {**ACCUM, **flags, "stop_after_steps": 2, "resume_from_checkpoint":
-                                                "auto"})
+    full_shard = {"fsdp": "full_shard", "micro_batch_size": 2}
+    hops = [(2, 2, full_shard), (4, 2, {"fsdp": "hybrid_shard", "fsdp_replicas": 2, "micro_batch_size": 2}),
+            (2, 1, full_shard), (1, 1, {"fsdp": "none", "micro_batch_size": 4}), (2, 2, full_shard)]
+    step = 0
+    for nproc, steps, flags in hops:
+        job = runs.run("pytorch", nproc, out, {**ACCUM, **flags, "stop_after_steps": steps,
+                                                "resume_from_checkpoint": "auto"})
         assert job.returncode == 0, job.stderr[-3000:]
-        step = 2 * (hop + 1)
+        if step:
+            assert f"resuming after step {step}" in job.stdout
+        step += steps
         if step < 8:
             checkpoint = out / "checkpoints" / f"step_{step}"
             assert (checkpoint / "dcp").is_dir() == (flags["fsdp"] != "none")
             assert (checkpoint / "model.safetensors").is_file() == (flags["fsdp"] == "none")
-        if hop:
-            assert f"resuming after step {2 * hop}" in job.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 9))
-    assert [r["world_size"] for r in steps] == [2, 2, 4, 4, 1, 1, 2, 2]
+    assert [r["world_size"] for r in steps] == [2, 2, 4, 4, 2, 1, 2, 2]
     assert [r["tokens"] for r in steps] == [r["tokens"] for r in straight.steps]
     assert [r["lr"] for r in steps] == [r["lr"] for r in straight.steps]
     diff = max_abs_diff(load_file(out / "final_model" / "model.safetensors"), straight.params())
     loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(steps, straight.steps, strict=True))
-    report(f"fsdp2 resharded resume 2 -> 4 (HSDP) -> 1 (unsharded) -> 2: max |param diff| vs straight {diff:.3g}, "
-           f"max |loss diff| {loss_diff:.3g}")
+    report(f"fsdp2 resharded resume 2 -> 4 (HSDP) -> 2 -> 1 (unsharded) -> 2: max |param diff| vs straight "
+           f"{diff:.3g}, max |loss diff| {loss_diff:.3g}")
     assert diff <= 1e-6 and loss_diff <= TOL.loss
-
 
 @pytest.mark.parametrize("flags,entry,world_size,expected", [
     (["--fsdp", "full_shard"], "accelerate", 2, "fsdp full_shard is train_pytorch's FSDP2; train_accelerate shards"),
