@@ -48,6 +48,16 @@ node_range() {
   fi
 }
 
+# `entry_module`: the module that ENTRY names: the entry point train_<ENTRY>, or for ENTRY=doctor
+# the doctor, which checks the launch (ranks, network, versions, an all-reduce) and trains nothing.
+entry_module() {
+  if [[ "$ENTRY" == doctor ]]; then
+    echo "{{ cookiecutter.project_slug }}.doctor"
+  else
+    echo "{{ cookiecutter.project_slug }}.train_$ENTRY"
+  fi
+}
+
 # `torchrun_args`: torchrun's options for one node of a job, into the array TORCHRUN_ARGS, from
 # NNODES (N, or MIN:MAX: torchrun then starts with any count in the range and restarts the
 # processes when a node joins or leaves), NPROC_PER_NODE, MAX_RESTARTS, HEAD and MASTER_PORT (the

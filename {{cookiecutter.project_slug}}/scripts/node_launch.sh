@@ -13,7 +13,7 @@
 #   --config "$CONFIG" --output_dir "$OUTPUT_DIR" --resume_from_checkpoint auto
 # so that a restarted job continues from the newest checkpoint in OUTPUT_DIR (a persistent volume);
 # SIGTERM stops the job after a checkpoint, with exit code 143 (below).
-# Environment: ENTRY (pytorch | accelerate | trainer), NNODES (overrides the controller's count;
+# Environment: ENTRY (pytorch | accelerate | trainer | doctor), NNODES (overrides the controller's count;
 # MIN:MAX for an elastic range), NPROC_PER_NODE (overrides too), MASTER_PORT (JobSet, SkyPilot:
 # 29500), MAX_RESTARTS (1), RUN_ID (the job's name, the same on every node), OUTPUT_DIR
 # (runs/<run id>), CONFIG (configs/train.yaml), PYTHON (python), DRY_RUN=1 (print the command).
@@ -78,7 +78,7 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 echo "node $NODE_RANK of $NNODES ($controller): $NPROC_PER_NODE processes, rendezvous $HEAD:$MASTER_PORT," \
      "run $RUN_ID, output $OUTPUT_DIR"
 torchrun_args "$((NODE_RANK == 0 ? 1 : 0))"
-cmd=("$PYTHON" -m {{ cookiecutter.project_slug }}.torchrun "${TORCHRUN_ARGS[@]}" -m "{{ cookiecutter.project_slug }}.train_${ENTRY}"
+cmd=("$PYTHON" -m {{ cookiecutter.project_slug }}.torchrun "${TORCHRUN_ARGS[@]}" -m "$(entry_module)"
      --config "$CONFIG" --output_dir "$OUTPUT_DIR" --resume_from_checkpoint auto "$@")
 if is_yes DRY_RUN; then
   printf '%q ' "${cmd[@]}"
@@ -87,10 +87,13 @@ if is_yes DRY_RUN; then
 fi
 
 # Kubernetes stops a pod (eviction, preemption, `kubectl delete`) with SIGTERM to this script, then
-# SIGKILL after terminationGracePeriodSeconds. The training processes take SIGUSR1 as the request to
-# stop after the next optimizer step with a checkpoint, all ranks alike (torchrun ignores it, as
-# under the sbatch scripts): SIGTERM is passed on to them as SIGUSR1, and once they have stopped the
-# script exits 143, so that the JobSet restarts the job and it resumes from that checkpoint.
+# SIGKILL after terminationGracePeriodSeconds. The training processes take SIGUSR1 (or SIGTERM) as the
+# request to stop after the next optimizer step with a checkpoint, all ranks alike. SIGTERM is passed
+# on to them as SIGUSR1, which torchrun ignores (as under the sbatch scripts): SIGTERM to torchrun
+# would end it as soon as its workers stop, and the first node's torchrun holds the rendezvous that
+# the other nodes' torchrun still read until theirs have stopped too (measured: they then fail with a
+# traceback). Once the workers have stopped the script exits 143, so that the JobSet restarts the job
+# and it resumes from that checkpoint.
 stopping=0 pid=
 # shellcheck disable=SC2329  # run by the trap below
 on_sigterm() {

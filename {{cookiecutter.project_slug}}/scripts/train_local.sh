@@ -5,7 +5,8 @@
 #   scripts/train_local.sh --max_steps 20 --report_to none
 #   ENTRY=pytorch NPROC_PER_NODE=4 scripts/train_local.sh --config configs/train.yaml
 #   DRY_RUN=1 scripts/train_local.sh        # print the command instead of running it (1/true/yes)
-# ENTRY: pytorch | accelerate | trainer. PYTHON: the interpreter (default: python).
+# ENTRY: pytorch | accelerate | trainer, or doctor (make doctor: checks the launch, trains nothing).
+# PYTHON: the interpreter (default: python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/flags.sh
@@ -26,7 +27,7 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 
 cmd=("$PYTHON" -m {{ cookiecutter.project_slug }}.torchrun --nnodes 1 --nproc_per_node "$NPROC_PER_NODE"
      --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
-     -m "{{ cookiecutter.project_slug }}.train_${ENTRY}" "$@")
+     -m "$(entry_module)" "$@")
 if is_yes DRY_RUN; then
   printf '%q ' "${cmd[@]}"
   echo

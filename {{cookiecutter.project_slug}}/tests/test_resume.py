@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,9 @@ from conftest import (
     assert_same_training,
     background_run,
     c10d_launch_cmd,
+    children_of,
     dropped_steps,
+    error_lines,
     fault_one_worker,
     flag_args,
     free_port,
@@ -136,6 +139,38 @@ def test_preemption_signal_checkpoints_and_the_job_continues(entry, env, tmp_pat
     assert f"resuming after step {stopped}" in resumed.stdout
     assert [r["step"] for r in resumed.steps] == list(range(1, LONG["max_steps"] + 1))
     assert (out / "final_model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_sigterm_to_the_workers_checkpoints_exits_143_and_the_job_resumes_exactly(runs, entry, tmp_path):
+    """Kubernetes' eviction (and a SLURM preemption) is SIGTERM: every worker stops after the same
+    optimizer step with a checkpoint and exits 143, and so does scripts/train_local.sh (its
+    torchrun); the restarted job ends as an uninterrupted run."""
+    flags = {**LONG, "max_steps": 24}
+    straight = runs(entry, 2, **flags)
+    out = tmp_path / "terminated"
+    cmd = ["scripts/train_local.sh", *flag_args(flags), "--output_dir", str(out)]
+    env = {**runs.env, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "ENTRY": entry}
+    with background_run(cmd, env, tmp_path) as proc:
+        wait_for_step(out, proc, 2)
+        workers = children_of()[proc.pid]  # train_local.sh execs torchrun: its children are the workers
+        for worker in workers:
+            os.kill(worker, signal.SIGTERM)
+    stdout, stderr = logs(tmp_path)
+    assert len(workers) == 2 and proc.returncode == 143, stderr[-3000:]
+    assert error_lines(stderr) == ["error: ranks 0, 1 stopped by SIGTERM; a restart resumes from the newest "
+                                   "checkpoint"], stderr[-3000:]
+    steps = [r["step"] for r in Run(0, "", "", out).steps]
+    stopped = steps[-1]
+    assert steps == list(range(1, stopped + 1)) and stopped < flags["max_steps"]
+    assert f"(step {stopped} of {flags['max_steps']}), on preemption signal (SIGTERM)" in stdout
+    assert json.loads((out / "checkpoints" / f"step_{stopped}" / "state.json").read_text())["step"] == stopped
+
+    resumed = runs.run(entry, 2, out, {**flags, "resume_from_checkpoint": "auto"})
+    assert resumed.returncode == 0 and f"resuming after step {stopped}" in resumed.stdout, resumed.stderr[-3000:]
+    diff = assert_same_training(resumed, straight)
+    report(f"sigterm {entry}: SIGTERM to both workers after step 2, stopped at step {stopped}, exit codes 143 "
+           f"(workers and train_local.sh); resumed: max |param diff| vs uninterrupted {diff:.3g}")
 
 
 @pytest.mark.parametrize("entry", ENTRIES)

@@ -13,18 +13,19 @@ from .distributed import cleanup, lost_contact
 from .errors import ConfigError, Interrupted, JobFailed, RunFinished, first_line
 
 
-def run_cli(train: Callable[[TrainConfig], None]) -> None:
-    """Parse the config and train. A ConfigError becomes one line on stderr and exit code 2, a
-    JobFailed one line and its exit code, a RunFinished one line on stdout and exit code 0, and a
-    lost process (a collective that timed out, a peer that died) one line and exit code 1, and
-    Ctrl-C (or SIGTERM while data is prepared) one line and 128 + the signal's number.
+def run_cli(train: Callable[[TrainConfig], int | None]) -> None:
+    """Parse the config and train. `train` returns the exit code of a job that it stopped at a step
+    boundary (Session.stopped: 143 after SIGTERM), or None. A ConfigError becomes one line on
+    stderr and exit code 2, a JobFailed one line and its exit code, a RunFinished one line on stdout
+    and exit code 0, and a lost process (a collective that timed out, a peer that died) one line and
+    exit code 1, and Ctrl-C (or SIGTERM while data is prepared) one line and 128 + the signal's number.
 
     The process group is destroyed only after `train` has returned, so that DDP's reducer (which
     holds the group) is freed first: the other order can hang or abort in gloo's destructor.
     """
-    failed = 0
+    code = 0
     try:
-        train(load_config())
+        code = train(load_config()) or 0
     except RunFinished as done:
         print(done, flush=True)
         sys.exit(0)
@@ -35,7 +36,7 @@ def run_cli(train: Callable[[TrainConfig], None]) -> None:
         print(f"error: {err}", file=sys.stderr, flush=True)
         if not err.agreed:  # the others may be waiting in a collective: nothing may meet them now
             os._exit(err.exit_code)
-        failed = err.exit_code  # every process stops here together: the group can still be destroyed
+        code = err.exit_code  # every process stops here together: the group can still be destroyed
     except RuntimeError as err:
         if not lost_contact(err):
             raise
@@ -50,5 +51,5 @@ def run_cli(train: Callable[[TrainConfig], None]) -> None:
             os._exit(128 + signum)  # the others may be waiting in a collective: nothing may meet them now
         sys.exit(128 + signum)
     cleanup()
-    if failed:
-        sys.exit(failed)
+    if code:
+        sys.exit(code)

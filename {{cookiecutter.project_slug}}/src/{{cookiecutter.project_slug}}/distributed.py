@@ -163,21 +163,31 @@ def lost_contact(err: BaseException) -> bool:
 
 
 class PreemptionSignal:
-    """SIGUSR1 asks the job to stop at the next optimizer-step boundary with a checkpoint.
+    """SIGUSR1 or SIGTERM asks the job to stop at the next optimizer-step boundary with a checkpoint.
 
-    The SLURM scripts ask SLURM for it before the time limit (`#SBATCH --signal=B:USR1@...`) and
-    pass it on to every training process; the launchers in between (torchrun, accelerate launch)
-    ignore it. The processes may get it on either side of a step boundary, so they agree at each
-    boundary: the flag travels in the step's one all-reduce (Session.read_step), and every rank
-    stops after the same step.
+    The SLURM scripts ask SLURM for SIGUSR1 before the time limit (`#SBATCH --signal=B:USR1@...`)
+    and pass it on to every training process; the launchers in between (torchrun, accelerate
+    launch) ignore it. SIGTERM is Kubernetes' eviction and preemption (and a SLURM preemption's
+    first word): torchrun passes it on to its workers, and kills them after its shutdown timeout
+    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default). The processes may get a signal on either
+    side of a step boundary, so they agree at each boundary: the flags travel in the step's one
+    all-reduce (Session.read_step), and every rank stops after the same step. A process that got
+    SIGTERM then exits 143, so that a JobSet or Job restarts the job; SIGUSR1 ends it with 0.
     """
 
     def __init__(self) -> None:
-        self.received = False
-        signal.signal(signal.SIGUSR1, self._handle)
+        self.received = False  # SIGUSR1 or SIGTERM
+        self.terminated = False  # SIGTERM
+        for signum in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.received = True
+        self.terminated |= signum == signal.SIGTERM
+
+    def exit_code(self) -> int:
+        """What a job stopped at a step boundary exits with on this process: 128 + SIGTERM if it got it."""
+        return 128 + signal.SIGTERM if self.terminated else 0
 
 
 def ranks_with(flag: bool, device: torch.device) -> int:

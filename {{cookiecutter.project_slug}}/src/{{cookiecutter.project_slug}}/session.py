@@ -24,7 +24,7 @@ from .data import Collator, eval_dataloader, example_sizes, loading, train_datal
 from .distributed import print0, sum_and_read
 from .errors import JobFailed
 from .noise import NoiseScale
-from .speed import compiled_graphs, flop_counts, matmul_precision, numel, training_flops
+from .speed import compiled_graphs, flop_counts, training_flops
 from .startup import AUTO_CEILING, Run
 from .tracking import Tracker
 from .windows import MicroBatchRetry, Window, windows_from
@@ -40,7 +40,7 @@ class Session:
         sharding.CollectiveCounter under FSDP2)."""
         self.run, self.cfg, self.env = run, run.cfg, run.env
         self.sync_counter = sync_counter
-        self.stop_signalled = False  # any rank got the preemption signal, as of the latest step's read
+        self.stop_signal = ""  # the preemption signal any rank got (SIGTERM before SIGUSR1), as of the latest read
         self.noise_norms: tuple[float | None, float | None] = (None, None)  # the latest step's, for the noise scale
         self.sampler = run.sampler()
         self.retry = MicroBatchRetry(run.adaptive, run.env, Path(run.cfg.output_dir) / AUTO_CEILING, self.sampler,
@@ -53,7 +53,7 @@ class Session:
         self.last_elapsed_s = 0.0
         self.flop_counts = flop_counts(model)
         self.input_lengths, self.example_targets = example_sizes(run.data["train"], self.cfg.task)
-        self._announce(model)
+        run.announce(model, self.sampler)
         self.tracker = Tracker(self.cfg, self.env, run.plan, run.total_steps, run.start_step, run.resume is not None,
                                accelerator)
 
@@ -66,21 +66,6 @@ class Session:
     def step(self) -> int:
         """Optimizer steps done so far, this job's and those before it."""
         return self.run.start_step + self.job_steps
-
-    def _announce(self, model) -> None:
-        run, cfg = self.run, self.cfg
-        examples = f"blocks of {cfg.max_seq_len} tokens" if cfg.packing else "examples"
-        cuda = self.env.device.type == "cuda"
-        levers = [f"compile {'on' if cfg.compile else 'off'}", f"{cfg.attn_implementation} attention",
-                  f"matmuls in {matmul_precision(cfg, self.env.device)}",
-                  *(["fused AdamW"] if cuda and cfg.fused_adamw and cfg.optimizer == "adamw" else []),
-                  f"peak {run.peak_flops / 1e12:g} TFLOP/s per device" if run.peak_flops else "no known peak: no mfu"]
-        print0(f"train_{run.launch.entry}: {cfg.task}, {sum(map(numel, model.parameters())):,} parameters, "
-               f"{run.total_steps} optimizer steps ({self.sampler.steps_per_epoch} "
-               + ("in the first epoch)" if len(self.plan.schedule) > 1 else "per epoch)")
-               + (f", resuming after step {run.start_step} from {run.resume}" if run.resume else "")
-               + f"\ndata: {len(run.data['train']):,} training {examples} from {run.data_folder}"
-               + f"\nspeed: {', '.join(levers)}" + "\n" + self.plan.table(cfg.max_seq_len))
 
     def loaders(self):
         """The training loader (this rank's windows) and the evaluation loader (its shard)."""
@@ -122,10 +107,11 @@ class Session:
         preemption flags and (DDP) squared gradient norms, with the gradient norm and the averaged
         gradient's squared norm (the same on every rank, so a non-finite step is skipped alike)."""
         local_sq, reduced_sq = self.sync_counter.take_norms() if self.sync_counter else (None, None)
-        loss_total, signalled, local, reduced, norm = sum_and_read(
-            [loss_sum, self.run.preemption.received, 0.0 if local_sq is None else local_sq],
+        preemption = self.run.preemption
+        loss_total, signalled, terminated, local, reduced, norm = sum_and_read(
+            [loss_sum, preemption.received, preemption.terminated, 0.0 if local_sq is None else local_sq],
             [0.0 if reduced_sq is None else reduced_sq, grad_norm])
-        self.stop_signalled = signalled > 0
+        self.stop_signal = "SIGTERM" if terminated else "SIGUSR1" if signalled else ""
         self.noise_norms = (None, None) if local_sq is None else (local / self.env.world_size, reduced)
         return {"loss": loss_total / num_targets, "lr": lr, "grad_norm": norm, "tokens": num_targets,
                 "micro_steps": micro_steps}
@@ -204,8 +190,8 @@ class Session:
             return False
         if self.job_steps == self.cfg.stop_after_steps:
             self.stop_reason = f"--stop_after_steps {self.cfg.stop_after_steps}"
-        elif self.stop_signalled:
-            self.stop_reason = "preemption signal (SIGUSR1)"
+        elif self.stop_signal:
+            self.stop_reason = f"preemption signal ({self.stop_signal})"
         return bool(self.stop_reason)
 
     def save_checkpoint(self, step: int, write) -> None:
@@ -243,9 +229,11 @@ class Session:
                f"{final_dir(self.cfg.output_dir)}")
         self.tracker.finish()
 
-    def stopped(self) -> None:
-        """The last words of a job that stops early (its checkpoint written): how to continue."""
+    def stopped(self) -> int:
+        """The last words of a job that stops early (its checkpoint written): how to continue. Returns
+        the process's exit code: 143 where it got SIGTERM (PreemptionSignal), else 0."""
         self.finish_checkpoint()
         print0(f"stopping after {self.job_steps} steps of this job (step {self.step} of {self.run.total_steps}), "
                f"on {self.stop_reason}; continue with --resume_from_checkpoint auto")
         self.tracker.finish()
+        return self.run.preemption.exit_code()

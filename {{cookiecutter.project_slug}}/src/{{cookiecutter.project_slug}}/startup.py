@@ -24,7 +24,7 @@ from .checkpoint import (
     verify_checkpoint,
 )
 from .config import TrainConfig
-from .distributed import DistEnv, PreemptionSignal, dist_env, init_distributed
+from .distributed import DistEnv, PreemptionSignal, dist_env, init_distributed, print0
 from .errors import ConfigError, RunFinished
 from .launch import Launch, check_back_end, check_launcher_env, deepspeed_config, launch_of
 from .memory import auto_micro_batch_size, check_auto_micro_batch
@@ -32,7 +32,7 @@ from .model import load_tokenizer, model_config
 from .optim import total_steps
 from .output_lock import OutputLock
 from .prepare import prepare
-from .speed import peak_flops, set_tf32
+from .speed import matmul_precision, numel, peak_flops, set_tf32
 from .tracking import check_wandb
 from .windows import WindowSampler
 
@@ -61,12 +61,28 @@ class Run:
     adaptive: bool  # micro_batch_size auto also at run time (windows.MicroBatchRetry)
     ceiling: int  # the micro batch an out-of-memory error left (0: none)
     noise_state: tuple  # the gradient noise scale's running estimate, from the checkpoint
-    preemption: PreemptionSignal  # SIGUSR1, listened for from start-up on
+    preemption: PreemptionSignal  # SIGUSR1 and SIGTERM, listened for from start-up on
 
     def sampler(self) -> WindowSampler:
         """A sampler of this run's windows on this rank, under the starting plan."""
         return WindowSampler(len(self.data["train"]), self.plan, self.env.rank, self.cfg.seed,
                              min_rows=2 if self.cfg.compile else 1)
+
+    def announce(self, model, sampler: WindowSampler) -> None:
+        """The run's banner (rank 0): what trains on what data, the speed levers, the batch plan."""
+        cfg = self.cfg
+        examples = f"blocks of {cfg.max_seq_len} tokens" if cfg.packing else "examples"
+        cuda = self.env.device.type == "cuda"
+        levers = [f"compile {'on' if cfg.compile else 'off'}", f"{cfg.attn_implementation} attention",
+                  f"matmuls in {matmul_precision(cfg, self.env.device)}",
+                  *(["fused AdamW"] if cuda and cfg.fused_adamw and cfg.optimizer == "adamw" else []),
+                  f"peak {self.peak_flops / 1e12:g} TFLOP/s per device" if self.peak_flops else "no known peak: no mfu"]
+        print0(f"train_{self.launch.entry}: {cfg.task}, {sum(map(numel, model.parameters())):,} parameters, "
+               f"{self.total_steps} optimizer steps ({sampler.steps_per_epoch} "
+               + ("in the first epoch)" if len(sampler.plan.schedule) > 1 else "per epoch)")
+               + (f", resuming after step {self.start_step} from {self.resume}" if self.resume else "")
+               + f"\ndata: {len(self.data['train']):,} training {examples} from {self.data_folder}"
+               + f"\nspeed: {', '.join(levers)}" + "\n" + sampler.plan.table(cfg.max_seq_len))
 
     def init_distributed(self) -> None:
         """Join the process group (once; one process joins none, unless it runs DeepSpeed or FSDP2)."""
@@ -132,8 +148,9 @@ def start(cfg: TrainConfig, entry: str) -> Run:
     """Every up-front check, then the run's facts. With --micro_batch_size auto the ranks meet once,
     to agree on the micro batch; every check after that fails the same way on every rank. A finished
     run is compared (its data too) and answered without the lock: it changes no file; any other job
-    holds output_dir's lock from here to its end. The preemption signal is listened for from the
-    first line: one that comes while the data is prepared stops the run at its first step."""
+    holds output_dir's lock from here to its end. The preemption signals are listened for from the
+    first line: SIGUSR1 while the data is prepared stops the run at its first step (SIGTERM there
+    stops it at once, leaving nothing half written: errors.interruptible)."""
     preemption = PreemptionSignal()
     env = dist_env()
     quiet_libraries(env)

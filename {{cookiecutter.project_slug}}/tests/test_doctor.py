@@ -1,0 +1,128 @@
+"""The doctor (`python -m {{ cookiecutter.project_slug }}.doctor`, `make doctor`): real processes on loopback. Two
+that agree print one table and a checked, timed all-reduce; a process made to differ
+(doctor_faults.py: another library version, a wrong all-reduce result) or one that never comes is
+one line and exit code 2; the launch scripts start the doctor in place of training with ENTRY=doctor."""
+
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import GPUS, ROOT, SLUG, error_lines, free_port, one_error_line, report
+
+TIMEOUT_S = 120
+HOST = socket.gethostname()
+
+
+def needs_two_devices() -> None:
+    if 0 < GPUS < 2:
+        pytest.skip(f"2 processes need 2 GPUs (nccl: one process per GPU); this machine has {GPUS}")
+
+
+def rank_env(env: dict, rank: int, world_size: int, port: int) -> dict:
+    """The variables torchrun sets for one of its processes, for a process started by hand."""
+    return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_PORT": str(port)}
+
+
+def two_ranks(env: dict, *args: str) -> list[subprocess.CompletedProcess]:
+    """`args` (after the interpreter) as rank 0 and rank 1 of a job of 2, each with its own exit code."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, *args], cwd=ROOT, env=rank_env(env, rank, 2, port), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+    try:
+        outputs = [proc.communicate(timeout=TIMEOUT_S) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    return [subprocess.CompletedProcess(proc.args, proc.returncode, *output)
+            for proc, output in zip(procs, outputs, strict=True)]
+
+
+def test_two_processes_that_agree_print_one_table_and_a_checked_all_reduce(env):
+    """`make doctor`: scripts/train_local.sh with ENTRY=doctor, 2 processes."""
+    needs_two_devices()
+    start = time.monotonic()
+    proc = subprocess.run(["scripts/train_local.sh"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env={**env, "ENTRY": "doctor", "NPROC_PER_NODE": "2", "PYTHON": sys.executable})
+    seconds = time.monotonic() - start
+    assert proc.returncode == 0 and not error_lines(proc.stderr), proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("rank ")))
+    keys = lines[header].split()
+    assert keys == ["rank", "host", "device", "interface", "rendezvous", "torch", "transformers", "accelerate",
+                    "deepspeed", "cuda", "nccl", "free", "memory"]
+    rows = [line.split() for line in lines[header + 1:header + 3]]
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[1] == HOST for row in rows)
+    assert all(row[3] == "lo" for row in rows)  # GLOO_SOCKET_IFNAME (or NCCL_SOCKET_IFNAME on GPUs)
+    assert rows[0][4] == rows[1][4] and rows[0][4].startswith("127.0.0.1:")
+    assert all(row[5] == torch.__version__ for row in rows)
+    summary = lines[header + 3]
+    bandwidth = float(re.fullmatch(r"all-reduce: 4 MiB float32 on 2 ranks, the exact sum on every rank, median of 5 "
+                                   r"[\d.]+ ms \(slowest rank\), bus bandwidth ([\d.]+) GB/s", summary)[1])
+    assert bandwidth > 0 and len(lines) == header + 4, proc.stdout
+    report(f"doctor, 2 processes: bus bandwidth {bandwidth:.2f} GB/s, {seconds:.1f} s from launch to exit")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,expected", [
+    ("torch=2.12.0", f"rank 1 (host {HOST}) has torch 2.12.0, rank 0 has {torch.__version__}"),
+    ("transformers=-", f"rank 1 (host {HOST}) has no transformers, rank 0 has "),
+    ("all_reduce", f"rank 1 (host {HOST}) received 4 from the all-reduce, not 3 (the sum of rank + 1 over 2 ranks)"),
+], ids=["other_torch", "no_transformers", "wrong_sum"])
+def test_a_rank_that_differs_is_one_line_naming_it_and_exit_2(env, fault, expected):
+    needs_two_devices()
+    first, second = two_ranks(env, str(ROOT / "tests" / "doctor_faults.py"), "1", fault)
+    one_error_line(first, f"error: {expected}")
+    # rank 1 stops with the same exit code and leaves the one line to rank 0
+    assert second.returncode == 2 and not error_lines(second.stderr) and "Traceback" not in second.stderr, second.stderr
+    assert "rank " not in first.stdout  # no table
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_joins_is_one_line_within_the_rendezvous_timeout(env):
+    """Rank 0 of a job of 2, alone: it holds the rendezvous and counts who joined."""
+    port, timeout_s = free_port(), 3
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", f"{SLUG}.doctor", "--rendezvous_timeout_s", str(timeout_s)],
+                          cwd=ROOT, env=rank_env(env, 0, 2, port), capture_output=True, text=True, timeout=TIMEOUT_S)
+    seconds = time.monotonic() - start
+    line = one_error_line(proc, "error: only rank 0 of 2 joined, rank 1 is missing; ")
+    assert f"127.0.0.1:{port}" in line and "--rendezvous_timeout_s" in line
+    assert seconds < timeout_s + 30, seconds  # the wait, and the start-up of a process on a busy machine
+    report(f"doctor, a rank missing: one line after {seconds:.1f} s (rendezvous_timeout_s {timeout_s}, "
+           "start-up included)")
+
+
+SBATCH = sorted((ROOT / "scripts" / "slurm").glob("*.sbatch"))
+
+
+def test_train_local_dry_run_starts_the_doctor(env):
+    proc = subprocess.run(["scripts/train_local.sh", "--rendezvous_timeout_s", "60"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**env, "ENTRY": "doctor", "DRY_RUN": "1", "NPROC_PER_NODE": "2",
+                                                      "PYTHON": "python3"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith(f" -m {SLUG}.doctor --rendezvous_timeout_s 60"), proc.stdout
+
+
+@pytest.mark.parametrize("script", SBATCH, ids=lambda p: p.stem)
+def test_sbatch_dry_run_starts_the_doctor_on_each_node(env, script):
+    proc = subprocess.run(["bash", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**env, "ENTRY": "doctor", "DRY_RUN": "1", "SLURM_NNODES": "2", "NPROC_PER_NODE": "2"})
+    nodes = [line for line in proc.stdout.splitlines() if line.startswith("node")]
+    assert proc.returncode == 0 and len(nodes) == 2, proc.stdout + proc.stderr
+    assert all(f" -m {SLUG}.doctor --config configs/train.yaml " in line for line in nodes), nodes
+
+
+@pytest.mark.skipif(not (ROOT / "scripts" / "node_launch.sh").is_file(), reason="generated without Kubernetes or "
+                    "SkyPilot files")
+def test_node_launch_dry_run_starts_the_doctor(env):
+    proc = subprocess.run(["scripts/node_launch.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**env, "ENTRY": "doctor", "DRY_RUN": "1", "PYTHON": "python3", "NNODES": "2",
+                               "JOB_COMPLETION_INDEX": "1", "NPROC_PER_NODE": "4", "MASTER_ADDR": "js-node-0-0.js"})
+    assert proc.returncode == 0, proc.stderr
+    assert f" -m {SLUG}.doctor --config configs/train.yaml " in proc.stdout.splitlines()[-1]
