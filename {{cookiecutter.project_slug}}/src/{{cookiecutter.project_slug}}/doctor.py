@@ -18,7 +18,6 @@ import re
 import socket
 import statistics
 import struct
-import sys
 import time
 
 import torch
@@ -26,7 +25,7 @@ import torch.distributed as dist
 
 from .cli import run_cli
 from .config import TrainConfig
-from .distributed import DistEnv, cleanup, dist_env, init_distributed, print0
+from .distributed import DistEnv, dist_env, init_distributed, print0
 from .errors import JobFailed
 
 LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed")
@@ -163,7 +162,7 @@ def missing(err: JobFailed, env: DistEnv) -> str:
     return "not every rank joined"
 
 
-def doctor(cfg: TrainConfig) -> None:
+def doctor(cfg: TrainConfig) -> int | None:
     env = dist_env()
     try:
         init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s, alone_too=True)
@@ -174,11 +173,10 @@ def doctor(cfg: TrainConfig) -> None:
     if not problem:
         results = gathered(timed_all_reduce(env))
         problem = wrong_sum(rows, results)
-    if problem:
-        if env.is_main_process:  # run_cli says it in one line, then meets the others in cleanup
+    if problem:  # every rank knows it; rank 0 says it in one line (run_cli), and all exit with 2
+        if env.is_main_process:
             raise JobFailed(problem, exit_code=2, agreed=True)
-        cleanup()
-        sys.exit(2)
+        return 2
     n, slowest = env.world_size, max(s for s, _ in results)  # the collective ends with its slowest rank
     # bus bandwidth (as nccl-tests reports it): each rank sends and receives 2 (n - 1) / n of the buffer
     bandwidth = 2 * (n - 1) / n * ALL_REDUCE_MIB * 2**20 / slowest / 1e9
