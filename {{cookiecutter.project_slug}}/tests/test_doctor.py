@@ -84,6 +84,21 @@ def test_a_rank_that_differs_is_one_line_naming_it_and_exit_2(env, fault, expect
 
 
 @pytest.mark.slow
+def test_a_failed_check_under_train_local_is_exit_2_and_the_doctors_line_alone(env, tmp_path):
+    """torchrun passes the doctor's exit code 2 on and adds no report of its own: the line says it.
+    Rank 1 reports another torch (doctor_faults.py, loaded at start-up through sitecustomize)."""
+    needs_two_devices()
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import os, sys\nif os.environ.get('RANK') == '1':\n    sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "    from doctor_faults import inject\n    inject(1, 'torch=2.12.0')\n")
+    proc = subprocess.run(["scripts/train_local.sh"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env={**env, "ENTRY": "doctor", "NPROC_PER_NODE": "2", "PYTHON": sys.executable,
+                               "PYTHONPATH": str(tmp_path)})
+    one_error_line(proc, f"error: rank 1 (host {HOST}) has torch 2.12.0, rank 0 has {torch.__version__}")
+    assert not re.search(r"Traceback|FAILED|exitcode|failed \(", proc.stderr), proc.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_a_rank_that_never_joins_is_one_line_within_the_rendezvous_timeout(env):
     """Rank 0 of a job of 2, alone: it holds the rendezvous and counts who joined."""
     port, timeout_s = free_port(), 3

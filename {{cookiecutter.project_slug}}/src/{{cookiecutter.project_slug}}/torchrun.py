@@ -1,8 +1,11 @@
-"""torchrun as scripts/train_local.sh starts it (`python -m {{ cookiecutter.project_slug }}.torchrun`, the same options):
-a stop by Ctrl-C or SIGTERM is one line and exit code 128 + the signal's number, not the agent's
-traceback. torchrun passes the signal on to its workers, which print their own line each (SIGTERM:
-they stop after the next optimizer step with a checkpoint). Workers that got SIGTERM themselves
-end with exit code 143 too, and so does torchrun, in one line.
+"""torchrun as the launch scripts start it (`python -m {{ cookiecutter.project_slug }}.torchrun`, the same options),
+ending in one line where torchrun would print a traceback or a report of what a worker said already:
+- a stop by Ctrl-C or SIGTERM: exit code 128 + the signal's number; torchrun passes the signal on
+  to its workers, which print their own line each (SIGTERM: they stop after the next optimizer step
+  with a checkpoint); workers that got SIGTERM themselves end with 143, and so does torchrun;
+- the doctor's failed check: its exit code 2 and the doctor's own line, nothing after it (training
+  keeps torchrun's code 1 and report for a worker's exit code 2);
+- a lost rendezvous (the node that held it is gone, or nodes never came): exit code 1.
 """
 
 import logging
@@ -11,25 +14,64 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import main
-
-
-class _SaidByTheLine(logging.Filter):
-    """torchrun's own notes of a stop by signal, which the one line says."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        by_sigterm = record.msg.startswith("failed (exitcode") and record.args[0] in TERMINATED
-        return not by_sigterm and "death signal" not in record.msg and "closing signal" not in record.msg
-
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
+from torch.distributed.run import main, parse_args
 
 # A worker's exit codes after SIGTERM: its own (Session.stopped, errors.Interrupted), or the signal's
 # when torchrun, seeing the first worker end, stopped one that was already on its way out.
 TERMINATED = (128 + signal.SIGTERM, -signal.SIGTERM)
+DOCTOR = "{{ cookiecutter.project_slug }}.doctor"
+CHECK_FAILED = 2  # the doctor's exit code for a check that failed, after its one line
+
+
+class _SaidByTheLine(logging.Filter):
+    """torchrun's own notes of what the one line says: a failed worker's exit code among `codes`,
+    the signals it sent, a rendezvous it could not close."""
+
+    def __init__(self, codes: tuple[int, ...]):
+        super().__init__()
+        self.codes = codes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        said = record.msg.startswith("failed (exitcode") and record.args[0] in self.codes
+        return not said and not any(note in record.msg for note in ("death signal", "closing signal",
+                                                                     "has failed to shutdown the rendezvous"))
+
+
+def rendezvous_failure(error: RendezvousError, endpoint: str, nnodes: str) -> str:
+    """What a rendezvous error means for the job, in one line."""
+    if isinstance(error, RendezvousConnectionError):
+        what = f"lost the rendezvous at {endpoint}: the node that holds it stopped or cannot be reached"
+    elif isinstance(error, RendezvousTimeoutError):
+        what = (f"waited in vain at the rendezvous at {endpoint}: fewer nodes than --nnodes {nnodes} joined "
+                "within its join_timeout")
+    elif isinstance(error, RendezvousClosedError):
+        what = f"found the rendezvous at {endpoint} closed: the job's other nodes have ended it"
+    else:
+        what = f"failed at the rendezvous at {endpoint} ({type(error).__name__}: {error})"
+    return (f"error: torchrun {what}; the job stops: start every node again (with --resume_from_checkpoint auto "
+            "it resumes from the newest checkpoint)")
+
+
+def doctor_failed(failed: ChildFailedError) -> bool:
+    """Whether the doctor's check failed: the first worker to fail exited 2 (after its one line),
+    and torchrun stopped any other that had not."""
+    codes = {failure.exitcode for failure in failed.failures.values()}
+    return failed.get_first_failure()[1].exitcode == CHECK_FAILED and codes <= {CHECK_FAILED, -signal.SIGTERM}
 
 
 if __name__ == "__main__":
-    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
-        logging.getLogger(name).addFilter(_SaidByTheLine())
+    args = parse_args(sys.argv[1:])
+    doctor = args.module and args.training_script == DOCTOR
+    said = _SaidByTheLine(TERMINATED + ((CHECK_FAILED,) if doctor else ()))
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api",
+                 "torch.distributed.elastic.rendezvous.dynamic_rendezvous"):
+        logging.getLogger(name).addFilter(said)
     try:
         main()
     except (SignalException, KeyboardInterrupt) as stop:
@@ -37,7 +79,13 @@ if __name__ == "__main__":
         print(f"error: torchrun stopped by {signum.name} and stopped its workers; a restart resumes from the newest "
               "checkpoint", file=sys.stderr, flush=True)
         sys.exit(128 + signum)
+    except RendezvousError as error:
+        endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"  # the static rendezvous's
+        print(rendezvous_failure(error, endpoint, args.nnodes), file=sys.stderr, flush=True)
+        sys.exit(1)
     except ChildFailedError as failed:
+        if doctor and doctor_failed(failed):
+            sys.exit(CHECK_FAILED)
         codes = [failure.exitcode for failure in failed.failures.values()]
         if TERMINATED[0] not in codes or not set(codes) <= set(TERMINATED):
             raise
