@@ -155,6 +155,10 @@ class TrainConfig:
     collective_timeout_s: float = _doc(
         "Seconds a collective (all-reduce, barrier) may wait for the other processes: a process that "
         "stops responding fails the job after this long instead of hanging it.", 600.0)
+    debug_distributed: bool = _doc(
+        "Run with TORCH_DISTRIBUTED_DEBUG=DETAIL: every collective first checks that all ranks call it with "
+        "the same shapes, so a mismatch fails at once with a description instead of hanging (slower: a "
+        "check per collective). Either way a failed collective leaves output_dir/debug/rank_<r>.json.", False)
 
     def __post_init__(self) -> None:
         for name in PATHS:  # `~` as a shell expands it, also where no shell read the value (a YAML file)

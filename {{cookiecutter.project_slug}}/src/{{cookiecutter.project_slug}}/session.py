@@ -23,6 +23,7 @@ from .checkpoint import (
 from .data import Collator, eval_dataloader, example_sizes, loading, train_dataloader
 from .distributed import print0, sum_and_read
 from .errors import JobFailed
+from .hangs import at_step
 from .noise import NoiseScale
 from .speed import compiled_graphs, flop_counts, training_flops
 from .startup import AUTO_CEILING, Run
@@ -79,7 +80,9 @@ class Session:
 
     def windows(self, loader) -> Iterator[Window]:
         """From the resume point on, each optimizer step's window (windows.windows_from)."""
-        return windows_from(loader, self.sampler, self.retry, self.run.start_step, self.run.total_steps)
+        for window in windows_from(loader, self.sampler, self.retry, self.run.start_step, self.run.total_steps):
+            at_step(window.step)  # named in the line of a collective that fails (hangs.py)
+            yield window
 
     def every_micro_step_syncs(self) -> bool:
         """Whether each micro-step of this window runs a collective: with DDP on 2 or more processes,
