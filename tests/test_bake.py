@@ -41,7 +41,7 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str, launchers
                                     "test_continue", "test_data", "test_output_lock", "fork_launcher", "sync_counting",
                                     "test_faults", "test_inputs", "test_levers", "test_parity", "test_resume",
                                     "test_scripts", "test_speed", "test_wandb", "test_doctor", "doctor_faults",
-                                    "test_hangs", "collective_mismatch")),
+                                    "test_hangs", "collective_mismatch", "test_elastic")),
         "tests/test_benchmarks.py", "docs/loss_curves.png", "docs/noise_scale.png",
         *(f"benchmarks/{m}.py" for m in ("__init__", "__main__", "abab", "bare_loop", "checkpointing", "common",
                                          "communication", "data", "gpu_check", "library_loops", "loss_curves",

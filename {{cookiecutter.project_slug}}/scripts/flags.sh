@@ -62,13 +62,16 @@ entry_module() {
 # NNODES (N, or MIN:MAX: torchrun then starts with any count in the range and restarts the
 # processes when a node joins or leaves), NPROC_PER_NODE, MAX_RESTARTS, HEAD and MASTER_PORT (the
 # c10d rendezvous: the first node's address), RUN_ID (the same on every node; the run folder's lock
-# knows a restart by it). Its argument says whether this node holds the rendezvous: 1 or 0, or
-# empty for torchrun's guess from the host's names.
+# knows a restart by it) and RDZV_CONF (more rendezvous settings, key=value,...: last_call_timeout,
+# join_timeout). Its argument says whether this node holds the rendezvous: 1 or 0, or empty for
+# torchrun's guess from the host's names (the first to start holds it where several guess so).
 # shellcheck disable=SC2034  # TORCHRUN_ARGS is read by the scripts that source this file
 torchrun_args() {
+  local conf=${1:+is_host=$1}
+  conf+=${RDZV_CONF:+${conf:+,}$RDZV_CONF}
   TORCHRUN_ARGS=(--nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
                  --rdzv_backend c10d --rdzv_endpoint "$HEAD:$MASTER_PORT" --rdzv_id "$RUN_ID")
-  if [[ -n "$1" ]]; then
-    TORCHRUN_ARGS+=(--rdzv_conf "is_host=$1")
+  if [[ -n "$conf" ]]; then
+    TORCHRUN_ARGS+=(--rdzv_conf "$conf")
   fi
 }

@@ -7,12 +7,20 @@
 #   DRY_RUN=1 scripts/train_local.sh        # print the command instead of running it (1/true/yes)
 # ENTRY: pytorch | accelerate | trainer, or doctor (make doctor: checks the launch, trains nothing).
 # PYTHON: the interpreter (default: python).
+# NNODES (default 1): more than this machine, each node running this script with the same
+# MASTER_ADDR (the first node's), MASTER_PORT and RUN_ID: a count N, or MIN:MAX for an elastic job
+# that continues on fewer nodes when one is lost (torchrun_args in scripts/flags.sh: the c10d
+# rendezvous on MASTER_ADDR, MAX_RESTARTS (1), RDZV_CONF); the entry point then gets
+# --resume_from_checkpoint auto before your arguments, so a restart resumes:
+#   NNODES=1:2 MASTER_ADDR=10.0.0.1 MASTER_PORT=29400 RUN_ID=run7 scripts/train_local.sh --output_dir runs/run7
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/flags.sh
 
 ENTRY=${ENTRY:-{{ 'pytorch' if cookiecutter.entry_points == 'all' else cookiecutter.entry_points }}}
 PYTHON=${PYTHON:-python}
+NNODES=${NNODES:-1}
+node_range NNODES
 whole_number NPROC_PER_NODE
 whole_number MASTER_PORT
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
@@ -25,9 +33,20 @@ fi
 # The package runs from src/ without being installed.
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 
-cmd=("$PYTHON" -m {{ cookiecutter.project_slug }}.torchrun --nnodes 1 --nproc_per_node "$NPROC_PER_NODE"
-     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
-     -m "$(entry_module)" "$@")
+if [[ "$NNODES" == 1 ]]; then
+  cmd=("$PYTHON" -m {{ cookiecutter.project_slug }}.torchrun --nnodes 1 --nproc_per_node "$NPROC_PER_NODE"
+       --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
+       -m "$(entry_module)" "$@")
+else
+  MAX_RESTARTS=${MAX_RESTARTS:-1}
+  count_of MAX_RESTARTS
+  HEAD=$MASTER_ADDR RUN_ID=${RUN_ID:-$MASTER_PORT}
+  echo "nodes $NNODES: $NPROC_PER_NODE processes here, rendezvous $HEAD:$MASTER_PORT, run $RUN_ID," \
+       "max restarts $MAX_RESTARTS"
+  torchrun_args ""
+  cmd=("$PYTHON" -m {{ cookiecutter.project_slug }}.torchrun "${TORCHRUN_ARGS[@]}" -m "$(entry_module)"
+       --resume_from_checkpoint auto "$@")
+fi
 if is_yes DRY_RUN; then
   printf '%q ' "${cmd[@]}"
   echo

@@ -2,7 +2,8 @@
 # Shared by scripts/slurm/*.sbatch, which source it from the project root; not run on its own.
 #
 # job_setup "$@" sets, from SLURM's variables (or placeholders outside an allocation, for DRY_RUN):
-#   NODES (host names, in SLURM_NODEID order)  NNODES  HEAD (first node)  MASTER_PORT
+#   NODES (host names, in SLURM_NODEID order)  NNODES (their count, or the environment's MIN:MAX)
+#   HEAD (first node)  MASTER_PORT
 #   NPROC_PER_NODE (processes per node: GPUs SLURM gave the node, unless set)
 #   CPUS_PER_TASK (the node's CPUs: SLURM_CPUS_PER_TASK, from #SBATCH --cpus-per-task), exported as
 #     SRUN_CPUS_PER_TASK (srun takes it from there since Slurm 22.05, not from the allocation) and
@@ -11,6 +12,9 @@
 #     newest checkpoint, e.g. at a smaller micro batch after an out-of-memory error)
 #   OUTPUT_DIR (default runs/<job id>: the same folder after a requeue)
 #   TRAIN_ARGS (--config, --output_dir, --resume_from_checkpoint auto, then the script's arguments)
+# An elastic range NNODES=MIN:MAX (torchrun.sbatch) must hold the allocation's node count; srun then
+# keeps the other nodes' launchers running when one node's ends (--no-kill; submit with
+# `sbatch --no-kill` so that SLURM keeps the job when it loses a node).
 # launch_on_nodes NODE_CMD runs NODE_CMD once per node under srun; `\$SLURM_NODEID` in it is
 # expanded on each node (its node rank). DRY_RUN=1 prints each node's command instead.
 #
@@ -28,6 +32,7 @@ job_setup() {
     whole_number "$name"
   done
   count_of MAX_RESTARTS
+  node_range NNODES
   JOB_ID=${SLURM_JOB_ID:-dry-run}
   if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
     mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
@@ -35,7 +40,11 @@ job_setup() {
     NODES=()
     for ((i = 0; i < ${SLURM_NNODES:-$DEFAULT_NODES}; i++)); do NODES+=("node$i"); done
   fi
-  NNODES=${#NODES[@]}
+  if [[ "${NNODES:-}" == *:* ]]; then
+    fits_node_range "${#NODES[@]}"
+  else
+    NNODES=${#NODES[@]}
+  fi
   HEAD=${NODES[0]}
   # a port per job, so jobs sharing a node do not collide
   MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
@@ -50,8 +59,33 @@ job_setup() {
   TRAIN_ARGS=(--config "$CONFIG" --output_dir "$OUTPUT_DIR" --resume_from_checkpoint auto "$@")
   # the package runs from src/ without being installed
   export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
-  echo "job $JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $(count "$NNODES" node nodes) x $(count "$NPROC_PER_NODE" process processes), head $HEAD:$MASTER_PORT, output $OUTPUT_DIR"
+  echo "job $JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $(count "$NNODES" node nodes)$(elastic_note) x $(count "$NPROC_PER_NODE" process processes), head $HEAD:$MASTER_PORT, output $OUTPUT_DIR"
   echo "cpus: $CPUS_PER_TASK per node (SRUN_CPUS_PER_TASK=$SRUN_CPUS_PER_TASK), OMP_NUM_THREADS=$OMP_NUM_THREADS per process; max restarts $MAX_RESTARTS"
+}
+
+# `fits_node_range ALLOCATED`: the range NNODES=MIN:MAX holds the ALLOCATED node count (every node
+# runs a launcher: more than MAX would wait at the rendezvous, and restart the others over and
+# over); else one line and exit 2.
+fits_node_range() {
+  if ((${NNODES%%:*} > $1 || ${NNODES##*:} < $1)); then
+    echo "error: NNODES=$NNODES does not hold the $(count "$1" node nodes) of the job; use a range MIN:MAX with" \
+         "MIN <= $1 <= MAX (sbatch --nodes MIN-MAX gives a job between MIN and MAX nodes)" >&2
+    exit 2
+  fi
+}
+
+elastic_note() {  # what an elastic range adds to the job's line
+  if [[ "$NNODES" == *:* ]]; then echo " of ${#NODES[@]} allocated (elastic: srun --no-kill)"; fi
+}
+
+# `node_count_only LAUNCHER`: for a launcher that takes a fixed node count, an elastic NNODES range
+# is one line and exit 2.
+node_count_only() {
+  if [[ "$NNODES" == *:* ]]; then
+    echo "error: NNODES=$NNODES is a range, and $1 takes a node count; an elastic job runs under" \
+         "scripts/slurm/torchrun.sbatch" >&2
+    exit 2
+  fi
 }
 
 count() {  # count N SINGULAR PLURAL: "1 node", "4 nodes"
@@ -81,7 +115,11 @@ launch_on_nodes() {
   fi
   trap on_preemption_signal USR1
   # in the background: bash runs a trap only between commands, and `wait` returns for one
-  srun --nodes "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 bash -c "trap '' USR1; exec $node_cmd" &
+  # a fixed node count: a node whose launcher fails ends the step on every node; an elastic
+  # range: the other nodes carry on, and their torchrun continues without it
+  local on_failure=--kill-on-bad-exit=1
+  if [[ "$NNODES" == *:* ]]; then on_failure=--no-kill; fi
+  srun --nodes "${#NODES[@]}" --ntasks-per-node 1 "$on_failure" bash -c "trap '' USR1; exec $node_cmd" &
   pid=$!
   wait "$pid" || status=$?
   while ((status > 128)) && kill -0 "$pid" 2>/dev/null; do  # the wait was cut short by the trap
