@@ -224,6 +224,12 @@ class RunsCode:
         return os.system, ("touch PWNED",)
 
 
+# A pickle that calls os.system("touch PWNED"): it pushes "posix", "system" and two harmless names,
+# pops those two and imports with STACK_GLOBAL, which takes the two values then on top of the stack
+HIDDEN_IMPORT = (b"\x80\x04\x8c\x05posix\x8c\x06system\x8c\x0bcollections\x8c\x0bOrderedDict00\x93"
+                 b"\x8c\x0btouch PWNED\x85R.")
+
+
 def damage(folder, how: str) -> str:
     """Damage a copy of a checkpoint the way `how` says; the file it damaged, by name."""
     files = sorted((p for p in folder.iterdir() if p.is_file() and p.name != "state.json"),
@@ -241,6 +247,12 @@ def damage(folder, how: str) -> str:
         state = json.loads((folder / "state.json").read_text())
         state["files"][target.name] = target.stat().st_size
         (folder / "state.json").write_text(json.dumps(state))
+    elif how == "hides_its_import":  # os.system imported by a STACK_GLOBAL from strings a POP hides
+        target = pickled
+        target.write_bytes(HIDDEN_IMPORT)
+        state = json.loads((folder / "state.json").read_text())
+        state["files"][target.name] = target.stat().st_size
+        (folder / "state.json").write_text(json.dumps(state))
     else:  # garbage of the same size
         target = pickled
         target.write_bytes(os.urandom(target.stat().st_size))
@@ -250,6 +262,8 @@ def damage(folder, how: str) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("how,expected", [("truncated", "bytes, {} were written"), ("missing", "is missing"),
                                           ("runs_code", "would run code when loaded (its pickle names posix.system"),
+                                          ("hides_its_import", "would run code when loaded (its pickle names an "
+                                                               "import it hides"),
                                           ("garbage", "is damaged")])
 def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_one_that_loads(stopped, runs, tmp_path, how,
                                                                                   expected):

@@ -8,14 +8,19 @@ processes, accumulation 2); fsdp_grad_sync micro_step (a reduce-scatter every mi
 """
 
 import json
+import pickle
+import re
+import shutil
 import subprocess
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from {{ cookiecutter.project_slug }}.batch import parse_schedule
+from {{ cookiecutter.project_slug }}.checkpoint_files import check_file
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.distributed import DistEnv
 from {{ cookiecutter.project_slug }}.launch import check_back_end, launch_of
@@ -35,6 +40,8 @@ from conftest import (
     max_abs_diff,
     max_loss_diff,
     report,
+    run_entry,
+    worker_error_lines,
 )
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
@@ -146,6 +153,7 @@ def test_a_sharded_checkpoint_continues_on_other_world_sizes_meshes_and_unsharde
     (["--fsdp", "full_shard", "--ddp_no_sync", "false"], "pytorch", 2, "ddp_no_sync false is DDP's"),
     (["--fsdp", "full_shard", "--micro_batch_size", "auto"], "pytorch", 2, "micro_batch_size auto measures DDP's"),
     (["--async_checkpoint", "true"], "pytorch", 2, "async_checkpoint writes sharded checkpoints in the background"),
+    (["--fsdp", "full_shard", "--optimizer", "adafactor"], "pytorch", 2, "optimizer adafactor keeps factored"),
 ])
 def test_fsdp_keys_that_cannot_apply_are_one_line(flags, entry, world_size, expected):
     cfg = load_config(["--config", CONFIG, *flags])
@@ -203,3 +211,46 @@ def test_a_job_killed_while_an_asynchronous_checkpoint_is_written_resumes_from_t
     assert "resuming after step 4" in resumed.stdout
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_4", "step_8"]
     assert_same_training(resumed, fsdp_run(runs, "full_shard", "micro_step"))
+
+
+# A pickle that calls os.system: "posix" and "system" pushed, two harmless names pushed and popped
+# again, then STACK_GLOBAL, which imports the two values then on top of the stack
+HIDDEN_IMPORT = (b"\x80\x04\x8c\x05posix\x8c\x06system\x8c\x0bcollections\x8c\x0bOrderedDict00\x93"
+                 b"\x8c\x0btouch PWNED\x85R.")
+
+
+def test_a_sharded_checkpoints_index_may_hold_only_dcps_own_records(tmp_path):
+    """DCP reads a sharded checkpoint's `.metadata` with a plain pickle.load: it must name only DCP's
+    record classes (also where a pickle hides what it imports) and build DCP's Metadata."""
+    dcp.save({"weight": torch.arange(6.0).reshape(2, 3)}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    index = tmp_path / "dcp" / ".metadata"
+    assert check_file(index) == ""
+    for data, expected in ((HIDDEN_IMPORT, "would run code when loaded (its pickle names an import it hides)"),
+                           (pickle.dumps({"hello": 1}), "is not the index of a sharded checkpoint")):
+        index.write_bytes(data)
+        assert check_file(index).startswith(expected)
+    assert not (tmp_path / "PWNED").exists() and not (ROOT / "PWNED").exists()
+
+
+@pytest.mark.slow
+def test_a_shard_damaged_in_place_is_one_line_naming_the_checkpoint_that_loads(runs, tmp_path):
+    """Bytes overwritten inside a shard, its size kept (so state.json's sizes still agree): the
+    resume stops with one line per process naming the checkpoint and the older one that loads."""
+    flags, out = {**ACCUM, "fsdp": "full_shard", "save_steps": 2}, tmp_path / "out"
+    first = runs.run("pytorch", 2, out, {**flags, "stop_after_steps": 4})
+    assert first.returncode == 0, first.stderr[-3000:]
+    newest, older = out / "checkpoints" / "step_4", out / "checkpoints" / "step_2"
+    shard = max((newest / "dcp").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with shard.open("r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        f.write(b"\xff" * 4096)
+    resumed = run_entry("pytorch", 2, out, runs.env, {**flags, "resume_from_checkpoint": "auto"})  # torchrun
+    assert resumed.returncode == 1, resumed.stderr[-3000:]  # torchrun's code for workers that exited 2
+    assert not re.search(r"\[rank\d\]: Traceback", resumed.stderr), resumed.stderr[-3000:]  # (torchrun prints its own)
+    worker_error_lines(resumed.stderr, f"error: checkpoint {newest} cannot be loaded: a shard in {newest / 'dcp'} "
+                                       "is damaged (")
+    assert all(line.endswith(f"the older checkpoint {older} loads: --resume_from_checkpoint {older}")
+               for line in resumed.stderr.splitlines() if line.startswith("error: "))
+    shutil.rmtree(newest)
+    again = runs.run("pytorch", 2, out, {**flags, "resume_from_checkpoint": "auto"})
+    assert again.returncode == 0 and f"resuming after step 2 from {older}" in again.stdout, again.stderr[-3000:]

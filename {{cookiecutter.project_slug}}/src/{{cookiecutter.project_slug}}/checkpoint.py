@@ -109,12 +109,17 @@ def verify_checkpoint(path: Path) -> dict:
     problem = _damage(path, state)
     if not problem:
         return state
+    raise ConfigError(f"checkpoint {path} cannot be loaded: {problem}; {older_that_loads(path)}")
+
+
+def older_that_loads(path: Path) -> str:
+    """The newest checkpoint of the same run older than `path` whose files load, as advice."""
+    step = int(read_state(path)["step"])
     older = [p for p in reversed(complete_checkpoints(str(path.parent.parent)))
-             if p.name.startswith("step_") and int(p.name[5:]) < int(state["step"])]
+             if p.name.startswith("step_") and int(p.name[5:]) < step]
     loads = next((p for p in older if not _damage(p, read_state(p))), None)
-    advice = (f"the older checkpoint {loads} loads: --resume_from_checkpoint {loads}" if loads
-              else "no older checkpoint of this run loads")
-    raise ConfigError(f"checkpoint {path} cannot be loaded: {problem}; {advice}")
+    return (f"the older checkpoint {loads} loads: --resume_from_checkpoint {loads}" if loads
+            else "no older checkpoint of this run loads")
 
 
 def _length(config: dict) -> tuple[str, int]:

@@ -5,6 +5,7 @@ folder must run no code.
 """
 
 import json
+import pickle
 import pickletools
 import struct
 import zipfile
@@ -37,25 +38,35 @@ DCP_GLOBALS = {
 }
 
 
+# Opcodes that leave the pickle machine's stack as it is (framing, memo writes).
+NEUTRAL_OPS = {"PROTO", "FRAME", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"}
+
+
 def _pickle_globals(data: bytes) -> set[tuple[str, str]]:
     """The (module, name) pairs a pickle would import, read from its opcodes without running it. A
-    STACK_GLOBAL whose names are not plain strings on the stack comes back as ("?", "?")."""
-    found, strings, memo = set(), [], {}
+    STACK_GLOBAL imports the two values on top of the stack: they are known only when the two
+    opcodes that pushed last (framing and memo writes aside) each pushed a string, read directly
+    or from the memo; otherwise it comes back as ("?", "?"), which no rule allows."""
+    found, pushed, memo = set(), [], {}  # pushed: the strings the latest opcodes pushed, in order
     for op, arg, _ in pickletools.genops(data):
-        if op.name in ("GLOBAL", "INST"):
+        name = op.name
+        if name in NEUTRAL_OPS:
+            if name != "PROTO" and name != "FRAME":
+                memo[len(memo) if name == "MEMOIZE" else arg] = pushed[-1] if pushed else None
+            continue
+        if name.endswith(("UNICODE", "STRING", "UNICODE8")):
+            pushed.append(arg if isinstance(arg, str) else None)
+            continue
+        if name.endswith("GET"):
+            pushed.append(memo.get(arg))
+            continue
+        if name in ("GLOBAL", "INST"):
             found.add(tuple(arg.split(" ", 1)))
-        elif op.name == "STACK_GLOBAL":
-            found.add(tuple(strings[-2:]) if len(strings) >= 2 and None not in strings[-2:] else ("?", "?"))
-        elif op.name in ("EXT1", "EXT2", "EXT4"):
+        elif name == "STACK_GLOBAL":
+            found.add(tuple(pushed[-2:]) if len(pushed) >= 2 and None not in pushed[-2:] else ("?", "?"))
+        elif name in ("EXT1", "EXT2", "EXT4"):
             found.add(("copyreg extension", str(arg)))
-        if op.name.endswith(("UNICODE", "STRING", "UNICODE8")):
-            strings.append(arg if isinstance(arg, str) else None)
-        elif op.name.endswith("GET"):
-            strings.append(memo.get(arg))
-        elif op.name.endswith("PUT"):
-            memo[arg] = strings[-1] if strings else None
-        elif op.name == "MEMOIZE":
-            memo[len(memo)] = strings[-1] if strings else None
+        pushed = []  # any other opcode changes the stack in a way not followed here
     return found
 
 
@@ -79,7 +90,7 @@ def check_file(path: Path) -> str:
     if path.suffix not in PICKLE_SUFFIXES and not dcp_index:
         return ""
     try:
-        if zipfile.is_zipfile(path):
+        if zipfile.is_zipfile(path) and not dcp_index:  # DCP reads its index as one plain pickle
             with zipfile.ZipFile(path) as archive:
                 pickles = [archive.read(n) for n in archive.namelist() if n.endswith(".pkl")]
         else:
@@ -89,6 +100,19 @@ def check_file(path: Path) -> str:
         return f"is damaged ({type(err).__name__}: {err})"
     unsafe = {(m, n) for m, n in unsafe if not (m == "torch" and n.endswith("Storage"))}
     if unsafe:
-        names = ", ".join(sorted(f"{m}.{n}" for m, n in unsafe))
+        names = ", ".join(sorted("an import it hides" if (m, n) == ("?", "?") else f"{m}.{n}" for m, n in unsafe))
         return f"would run code when loaded (its pickle names {names}); only load checkpoints you made"
+    if dcp_index and not _is_dcp_index(pickles[0]):
+        return "is not the index of a sharded checkpoint"
     return ""
+
+
+def _is_dcp_index(data: bytes) -> bool:
+    """Whether an index, whose pickle names only DCP's own classes (so unpickling it runs nothing
+    else), holds DCP's Metadata."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        return isinstance(pickle.loads(data), Metadata)
+    except Exception:  # a pickle that breaks off, or builds its classes wrongly
+        return False

@@ -22,8 +22,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .checkpoint import older_that_loads
 from .config import TrainConfig
 from .distributed import DistEnv, full_norm
+from .errors import JobFailed, first_line
 from .model import fsdp_mixed_precision
 from .speed import COMPILE
 
@@ -133,7 +135,15 @@ def load_sharded(model: torch.nn.Module, optimizer, folder: Path) -> None:
     """Load a sharded checkpoint's model and optimizer, resharded to this run's world size and
     mesh, or gathered whole for an unsharded model."""
     state = training_state(model, optimizer)
-    dcp.load(state, checkpoint_id=folder / DCP_DIR)
+    try:
+        dcp.load(state, checkpoint_id=folder / DCP_DIR, no_dist=not dist.is_initialized())
+    except (Exception, dcp.CheckpointException) as err:  # a shard damaged in place (its size kept)
+        # DCP's CheckpointException (a BaseException) tells every rank alike: each failed rank's error
+        failures = getattr(err, "failures", None)
+        reason = next(iter(failures.values()))[0] if failures else err
+        raise JobFailed(f"checkpoint {folder} cannot be loaded: a shard in {folder / DCP_DIR} is damaged "
+                        f"({type(reason).__name__}: {first_line(reason)}); {older_that_loads(folder)}",
+                        exit_code=2, agreed=True) from None
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
