@@ -91,6 +91,9 @@ def check_fsdp2(cfg: TrainConfig, env: DistEnv, entry: str) -> None:
     if env.world_size % cfg.fsdp_replicas:
         raise ConfigError(f"fsdp_replicas {cfg.fsdp_replicas} does not divide the world size {env.world_size}: "
                           "hybrid_shard needs replica groups of equal size; use a divisor of it")
+    if cfg.optimizer == "adafactor":
+        raise ConfigError("optimizer adafactor keeps factored statistics that FSDP2's sharded parameters do not "
+                          "support; use adamw or sgd under fsdp")
     if not cfg.ddp_no_sync:
         raise ConfigError("ddp_no_sync false is DDP's (an all-reduce every micro-step); under fsdp choose the "
                           "gradient sync with fsdp_grad_sync micro_step or window")

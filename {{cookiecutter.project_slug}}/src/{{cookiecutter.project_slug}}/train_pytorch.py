@@ -145,14 +145,16 @@ def train(cfg: TrainConfig) -> None:
 
     def write_checkpoint(folder: Path):
         save_rng(folder, env.rank)
+        written = None
+        if sharded:  # each rank writes its shards (in the background: a Future, published later)
+            written = save_sharded(model, optimizer, folder, background)
+        elif env.is_main_process:
+            save_model(model, str(folder / "model.safetensors"))
         if env.is_main_process:
             torch.save({**({} if sharded else {"optimizer": optimizer.state_dict()}),
                         "lr_scheduler": lr_scheduler.state_dict(), "scaler": scaler.state_dict()},
                        folder / "training_state.pt")
-        if sharded:  # each rank writes its shards (in the background: a Future, published later)
-            return save_sharded(model, optimizer, folder, background)
-        if env.is_main_process:
-            save_model(model, str(folder / "model.safetensors"))
+        return written
 
     model.train()
     for window in session.windows(train_loader):
