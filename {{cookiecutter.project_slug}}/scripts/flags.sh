@@ -30,6 +30,26 @@ count_of() {
   fi
 }
 
+# `a_port NAME`: the variable NAME, when set, is a TCP port (1-65535); else one line and exit 2.
+a_port() {
+  if [[ -n "${!1+set}" ]] && ! [[ "${!1}" =~ ^[1-9][0-9]{0,4}$ && "${!1}" -le 65535 ]]; then
+    echo "error: $1=${!1} is not a port (1-65535)" >&2
+    exit 2
+  fi
+}
+
+# `known_entry`: ENTRY names an entry point of this project (src/<package>/train_<ENTRY>.py) or
+# the doctor; else one line naming them and exit 2.
+known_entry() {
+  if [[ "$ENTRY" != doctor && ! -f "src/{{ cookiecutter.project_slug }}/train_$ENTRY.py" ]]; then
+    local entries=(src/{{ cookiecutter.project_slug }}/train_*.py) listed
+    entries=("${entries[@]##*/train_}")
+    printf -v listed '%s, ' "${entries[@]%.py}"
+    echo "error: ENTRY=$ENTRY is not an entry point of this project; use ${listed%, } or doctor" >&2
+    exit 2
+  fi
+}
+
 # `names_a_file NAME PATH`: PATH, which the variable NAME chose, is a file; else one line and exit 2.
 names_a_file() {
   if [[ ! -f "$2" ]]; then

@@ -63,7 +63,7 @@ fi
 node_range NNODES
 whole_number NPROC_PER_NODE
 MASTER_PORT=${MASTER_PORT:-29500}
-whole_number MASTER_PORT
+a_port MASTER_PORT
 MAX_RESTARTS=${MAX_RESTARTS:-1}
 count_of MAX_RESTARTS
 RUN_ID=${RUN_ID:-$HEAD}
@@ -71,6 +71,7 @@ OUTPUT_DIR=${OUTPUT_DIR:-runs/$RUN_ID}
 CONFIG=${CONFIG:-configs/train.yaml}
 names_a_file CONFIG "$CONFIG"
 ENTRY=${ENTRY:-{{ 'pytorch' if cookiecutter.entry_points == 'all' else cookiecutter.entry_points }}}
+known_entry
 PYTHON=${PYTHON:-python}
 # The package runs from src/ without being installed.
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"

@@ -18,11 +18,12 @@ cd "$(dirname "$0")/.."
 source scripts/flags.sh
 
 ENTRY=${ENTRY:-{{ 'pytorch' if cookiecutter.entry_points == 'all' else cookiecutter.entry_points }}}
+known_entry
 PYTHON=${PYTHON:-python}
 NNODES=${NNODES:-1}
 node_range NNODES
 whole_number NPROC_PER_NODE
-whole_number MASTER_PORT
+a_port MASTER_PORT
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   NPROC_PER_NODE=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')
 fi

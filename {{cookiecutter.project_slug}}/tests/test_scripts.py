@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DATA_CACHE, LAUNCH_TIMEOUT_S, ROOT, SLUG, error_lines, wait_for_step
+from conftest import DATA_CACHE, ENTRIES, LAUNCH_TIMEOUT_S, ROOT, SLUG, error_lines, wait_for_step
 
 SCRIPTS = sorted((ROOT / "scripts").rglob("*.sh")) + sorted((ROOT / "scripts").rglob("*.sbatch"))
 
@@ -47,7 +47,10 @@ LAUNCH_SCRIPTS = ["scripts/train_local.sh", *(f"scripts/slurm/{p.name}" for p in
                                                sorted((ROOT / "scripts" / "slurm").glob("*.sbatch")))]
 BAD_VARIABLES = [({"NPROC_PER_NODE": "0"}, "error: NPROC_PER_NODE=0 is not a whole number of at least 1"),
                  ({"NPROC_PER_NODE": "abc"}, "error: NPROC_PER_NODE=abc is not a whole number of at least 1"),
-                 ({"MASTER_PORT": "29 500"}, "error: MASTER_PORT=29 500 is not a whole number of at least 1")]
+                 ({"MASTER_PORT": "29 500"}, "error: MASTER_PORT=29 500 is not a port (1-65535)"),
+                 ({"MASTER_PORT": "99999"}, "error: MASTER_PORT=99999 is not a port (1-65535)"),
+                 ({"ENTRY": "foo"}, f"error: ENTRY=foo is not an entry point of this project; use "
+                                    f"{', '.join(sorted(ENTRIES))} or doctor")]
 SBATCH_BAD_VARIABLES = [({"SLURM_NNODES": "abc"}, "error: SLURM_NNODES=abc is not a whole number of at least 1"),
                         ({"CONFIG": "configs/trian.yaml"},
                          "error: CONFIG=configs/trian.yaml names configs/trian.yaml, which is not a file"),
@@ -129,6 +132,7 @@ def test_a_stopped_local_run_is_one_line_from_each_process(env, tmp_path, signum
                          "the newest checkpoint")
     assert (signum == signal.SIGTERM or lines[:-1]) and len(lines[:-1]) <= 2, stderr[-3000:]
     assert all(line.startswith(f"error: stopped by {name}") for line in lines[:-1])
+    assert not (out / ".lock").exists()  # a stopped job leaves its folder to the next one
 
 
 ANSWERS = json.loads((ROOT / ".cookiecutter.json").read_text()) if (ROOT / ".cookiecutter.json").exists() else None

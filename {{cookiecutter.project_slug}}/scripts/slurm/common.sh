@@ -28,9 +28,10 @@ source scripts/flags.sh
 # shellcheck disable=SC2034  # TRAIN_ARGS and the others are read by the sbatch script
 job_setup() {
   local name
-  for name in SLURM_NNODES SLURM_GPUS_ON_NODE SLURM_CPUS_PER_TASK NPROC_PER_NODE MASTER_PORT OMP_NUM_THREADS; do
+  for name in SLURM_NNODES SLURM_GPUS_ON_NODE SLURM_CPUS_PER_TASK NPROC_PER_NODE OMP_NUM_THREADS; do
     whole_number "$name"
   done
+  a_port MASTER_PORT
   count_of MAX_RESTARTS
   node_range NNODES
   JOB_ID=${SLURM_JOB_ID:-dry-run}

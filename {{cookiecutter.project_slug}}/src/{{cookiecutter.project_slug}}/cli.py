@@ -12,6 +12,7 @@ from .config import TrainConfig, load_config
 from .distributed import cleanup, lost_contact
 from .errors import ConfigError, Interrupted, JobFailed, RunFinished, first_line
 from .hangs import disagreement, explain, watch
+from .output_lock import release_held
 
 
 def run_cli(train: Callable[[TrainConfig], int | None]) -> None:
@@ -60,6 +61,7 @@ def run_cli(train: Callable[[TrainConfig], int | None]) -> None:
         why = err if isinstance(err, Interrupted) else "stopped by SIGINT; a restart resumes from the newest checkpoint"
         print(f"error: {why}", file=sys.stderr, flush=True)
         if dist.is_initialized():
+            release_held()  # a stopped job lets the next one have its folder
             os._exit(128 + signum)  # the others may be waiting in a collective: nothing may meet them now
         sys.exit(128 + signum)
     cleanup()

@@ -19,6 +19,7 @@ from .errors import ConfigError
 
 LOCK_FILE = ".lock"
 HEARTBEAT_S, STALE_S = 15.0, 60.0
+HELD: list["OutputLock"] = []  # the locks this process holds, released at its exit (release_held)
 
 
 def job_identity() -> str:
@@ -117,7 +118,7 @@ class OutputLock:
                    "taking it over")
         self.held = True
         threading.Thread(target=self._beat, daemon=True).start()
-        atexit.register(self.release)
+        HELD.append(self)
 
     def _write(self, exclusive: bool = False) -> None:
         """The lock file written whole; `exclusive`: only where there is none (FileExistsError)."""
@@ -147,3 +148,11 @@ class OutputLock:
             holder = self.holder()
             if holder and holder.get("pid") == self.mine["pid"] and holder.get("host") == self.mine["host"]:
                 self.path.unlink(missing_ok=True)
+
+
+@atexit.register
+def release_held() -> None:
+    """Remove every lock this process holds: at its exit, and before an exit that runs no atexit
+    handler (os._exit, where another process may be waiting in a collective)."""
+    while HELD:
+        HELD.pop().release()
