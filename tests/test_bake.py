@@ -109,7 +109,7 @@ def test_slug_is_used_everywhere(baked):
     project = baked(project_slug="acme_train")
     assert project.name == "acme_train"
     assert (project / "src" / "acme_train" / "train_pytorch.py").is_file()
-    assert "acme_train.train_" in (project / "scripts" / "train_local.sh").read_text()
+    assert "acme_train.train_" in (project / "scripts" / "flags.sh").read_text()  # the scripts' entry_module
     assert project_files(project) == expected_files("acme_train", "all", "2")
 
 
