@@ -3,6 +3,7 @@ clean, answers recorded; and the baked projects' own test suites pass."""
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -153,7 +154,8 @@ def test_generated_suite_passes(baked, task):
     measured = itertools.takewhile(lambda line: not line.startswith("="), section)
     report("\n".join([f"generated suite, task {task}:", *measured]))
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout.splitlines()[-1] and "failed" not in proc.stdout.splitlines()[-1]
+    summary = proc.stdout.splitlines()[-1]
+    assert " passed" in summary and not re.search(r"\d+ failed", summary), summary  # ("1 xfailed" is expected)
 
 
 @pytest.mark.parametrize("entry_points", ENTRY_POINTS[1:])
