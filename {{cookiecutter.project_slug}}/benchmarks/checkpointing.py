@@ -19,7 +19,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -33,6 +32,7 @@ from {{ cookiecutter.project_slug }}.sharding import save_sharded, shard
 from .common import (
     clock,
     free_port,
+    lacks_gpus,
     optimizer_step,
     parser,
     prepare_model,
@@ -93,9 +93,7 @@ def worker(rank: int, port: int, flags: list[str], pairs: int, folder: str, out:
 
 
 def run(args) -> list[dict]:
-    gpus = torch.cuda.device_count()
-    if 0 < gpus < WORLD_SIZE:
-        print(f"checkpointing: skipped, {WORLD_SIZE} processes need {WORLD_SIZE} GPUs; this machine has {gpus}")
+    if lacks_gpus("checkpointing", WORLD_SIZE):
         return []
     prepare_model(args)
     pairs = 3 if args.quick else PAIRS

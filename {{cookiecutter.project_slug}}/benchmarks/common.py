@@ -121,6 +121,15 @@ def optimizer_step(model, window: list[dict], optimizer, cfg: TrainConfig, devic
     optimizer.zero_grad(set_to_none=True)
 
 
+def lacks_gpus(benchmark: str, processes: int) -> bool:
+    """Whether this machine has GPUs but fewer than `processes` (nccl takes one GPU per process):
+    then `benchmark` is skipped, and says so."""
+    gpus = torch.cuda.device_count()
+    if 0 < gpus < processes:
+        print(f"{benchmark}: skipped, {processes} processes need {processes} GPUs (nccl); this machine has {gpus}")
+    return 0 < gpus < processes
+
+
 def clock(device: torch.device) -> float:
     """Seconds, once the device has finished the work queued so far (CUDA runs asynchronously)."""
     if device.type == "cuda":

@@ -34,6 +34,7 @@ from .common import (
     clock,
     figure,
     free_port,
+    lacks_gpus,
     optimizer_step,
     parser,
     prepare_model,
@@ -116,9 +117,7 @@ def worker(rank: int, port: int, flags: list[str], variants: list[tuple[int, boo
 
 
 def run(args) -> list[dict]:
-    gpus = torch.cuda.device_count()
-    if 0 < gpus < WORLD_SIZE:
-        print(f"communication: skipped, {WORLD_SIZE} processes need {WORLD_SIZE} GPUs (nccl); this machine has {gpus}")
+    if lacks_gpus("communication", WORLD_SIZE):
         return []
     prepare_model(args)
     flags = train_flags(args)

@@ -37,6 +37,7 @@ from {{ cookiecutter.project_slug }}.sharding import shard
 from .common import (
     figure,
     free_port,
+    lacks_gpus,
     optimizer_step,
     parser,
     prepare_model,
@@ -145,10 +146,7 @@ def run(args) -> list[dict]:
                 "max_seq_len": cfg.max_seq_len, "optimizer": cfg.optimizer, "goal_ratio": GOAL,
                 "parameter_bytes": parameter_bytes}
     report(args, rows, settings)
-    gpus = torch.cuda.device_count()
-    if 0 < gpus < SHARDED_WORLD_SIZE:
-        print(f"memory, sharded: skipped, {SHARDED_WORLD_SIZE} processes need as many GPUs; this machine has {gpus}")
-    else:
+    if not lacks_gpus("memory, sharded", SHARDED_WORLD_SIZE):
         report_sharded(args, sharded_rows(args), settings)
     return rows
 
