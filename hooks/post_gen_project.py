@@ -15,6 +15,16 @@ ANSWERS = json.loads(
 
 SLUG = ANSWERS["project_slug"]
 ENTRIES = ("pytorch", "accelerate", "trainer")
+# Each extra's own files, removed when it is not baked ({pkg}: src/<slug>); a file that several
+# extras share stays while one of them is baked. docs/extending.md lists what each extra adds.
+EXTRA_FILES = {
+    "fsdp": ["{pkg}/fsdp.py", "{pkg}/sharding.py", "tests/test_fsdp.py"],
+    "auto_batch": ["{pkg}/auto_batch.py", "{pkg}/memory.py", "tests/oom_injection.py"],
+    "batch_schedule": ["{pkg}/batch_schedule.py", "{pkg}/noise.py", "docs/noise_scale.png"],
+    "doctor": ["{pkg}/doctor.py", "{pkg}/hangs.py", "tests/test_doctor.py", "tests/doctor_faults.py",
+               "tests/test_hangs.py", "tests/collective_mismatch.py"],
+    "benchmarks": [],
+}
 
 
 def unchosen_paths(answers: dict) -> list[Path]:
@@ -38,6 +48,10 @@ def unchosen_paths(answers: dict) -> list[Path]:
     if answers["deepspeed_stage"] == "none" and chosen != ("pytorch",):
         paths += [Path("configs", "deepspeed"), *Path("configs", "accelerate").glob("deepspeed_*.yaml"),
                   slurm / "deepspeed.sbatch"]
+    baked = set(answers["__extras"].split(",")) - {""}
+    kept = {path for name in baked for path in EXTRA_FILES[name]}
+    paths += [Path(path.format(pkg=f"src/{SLUG}")) for name, files in EXTRA_FILES.items() if name not in baked
+              for path in files if path not in kept]
     launchers = answers["__launchers"].split(",")
     if "slurm" not in launchers:
         paths.append(slurm)

@@ -31,6 +31,8 @@ SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,
 POSITIVE_INT = re.compile(r"[1-9][0-9]{0,6}")
 LOCAL_PROCESSES = 2  # `make train` and the tests on a machine without GPUs
 LAUNCHERS = ("slurm", "kubernetes", "skypilot")
+# The extras: training features beside the core, each in files of its own (docs/extending.md).
+EXTRAS = ("fsdp", "auto_batch", "batch_schedule", "doctor", "benchmarks")
 # A Kubernetes object name (DNS-1123 label) short enough for the JobSet's pod names, <name>-node-0-<i>.
 K8S_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,48}[a-z0-9])?")
 # A container image reference: [registry[:port]/]path[:tag][@digest].
@@ -118,8 +120,21 @@ def check_launchers(answers: dict) -> str | None:
     return None
 
 
+def check_extras(answers: dict) -> str | None:
+    """`extras`: none, all, or a comma-separated list of EXTRAS in any case, spaces around the names
+    allowed (cookiecutter.json's `__extras` holds the normalised list that the files use)."""
+    names = [name.strip().lower() for name in answers["extras"].split(",")]
+    unknown = [name for name in names if name not in ("none", "all", *EXTRAS)]
+    if unknown or ("none" in names and len(names) > 1):
+        what = f"names {unknown[0]!r}, which is not an extra" if unknown else "mixes none with extras"
+        return (f"extras {answers['extras']!r} {what}; use 'none', 'all' or a comma-separated list of "
+                f"{', '.join(EXTRAS)}, e.g. 'fsdp,doctor'")
+    return None
+
+
 def main() -> int:
-    for check in (lambda a: check_slug(a["project_slug"]), check_numbers, check_names, check_launchers):
+    for check in (lambda a: check_slug(a["project_slug"]), check_numbers, check_names, check_launchers,
+                  check_extras):
         problem = check(ANSWERS)
         if problem:
             print(f"ERROR: {problem}", file=sys.stderr)

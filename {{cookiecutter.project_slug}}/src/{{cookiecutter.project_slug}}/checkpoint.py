@@ -23,18 +23,13 @@ import numpy as np
 import torch
 
 from .checkpoint_files import check_file
-from .config import TrainConfig
+from . import extras
+from .config import TrainConfig, keys_where
 from .distributed import DistEnv, barrier, print0, ranks_with
 from .errors import ConfigError, JobFailed, first_line
 
 STATE_FILE = "state.json"
 FINAL_DIR = "final_model"
-# Keys that change the training: a checkpoint continues only under the same values. Every other key
-# may change on resume (world size, micro batch, evaluation, logging...). `dataset` is compared by
-# the content of its prepared training examples (check_same_data), not by its path.
-MUST_MATCH = ("global_batch_size", "global_batch_size_schedule", "lr_batch_scaling", "seed", "task",
-              "model_name_or_path", "dataset", "max_seq_len", "packing", "optimizer", "learning_rate",
-              "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "mixed_precision")
 LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed")
 
 
@@ -128,12 +123,16 @@ def _length(config: dict) -> tuple[str, int]:
 
 
 def check_same_training(state: dict, cfg: TrainConfig, where: Path) -> None:
-    """The keys that change the training must be those `where` was trained with (ConfigError)."""
+    """The keys that change the training (declared resume="match", config.py) must be those `where`
+    was trained with (ConfigError); every other key may change. `dataset` is compared by the content
+    of its prepared training examples (check_same_data), not by its path; a key of an extra this
+    project lacks must have been off."""
     old, new = state["config"], cfg.to_dict()
+    extras.recorded_off(old)
     by_content = {"dataset"} if "data_fingerprint" in state else set()
-    differences = [(key, old[key], new[key]) for key in MUST_MATCH
+    differences = [(key, old[key], new[key]) for key in keys_where(resume="match")
                    if key in old and old[key] != new[key] and key not in by_content]
-    if {"max_steps", "num_epochs"} <= set(old) and _length(old) != _length(new):
+    if {"max_steps", "num_epochs"} <= set(old) and _length(old) != _length(new):  # the keys declared "length"
         key = _length(old)[0] if _length(old)[0] == _length(new)[0] else "max_steps"
         differences.append((key, old[key], new[key]))
     if differences:

@@ -13,15 +13,16 @@ import os
 import re
 import sys
 import textwrap
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from transformers import HfArgumentParser
 
-from .batch import parse_schedule
+from . import extras
 from .errors import ConfigError
+from .extras import key
 
 DEFAULT_CONFIG = "configs/train.yaml"
 PATHS = ("model_name_or_path", "dataset", "data_cache_dir", "output_dir", "resume_from_checkpoint", "deepspeed")
@@ -37,128 +38,116 @@ def whole_or_auto(value) -> int | str:
         raise argparse.ArgumentTypeError(f"invalid value {value!r}: a whole number or auto") from None
 
 
-def _doc(text: str, default):
-    """A field's one default and its help (the --help text and the comment in configs/train.yaml)."""
-    return field(default=default, metadata={"help": text})
-
-
 @dataclass
-class TrainConfig:
-    """Everything one training run needs. Each field is a YAML key and a `--flag`."""
+class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after the core's, in EXTRAS' order
+    """Everything one training run needs. Each field is a YAML key and a `--flag`; the baked
+    extras add theirs (extras.py)."""
 
-    task: Literal["causal_lm", "sequence_classification"] = _doc(
-        "causal_lm (next-token prediction) or sequence_classification.", "{{ cookiecutter.task }}")
-    model_name_or_path: str = _doc(
+    task: Literal["causal_lm", "sequence_classification"] = key(
+        "causal_lm (next-token prediction) or sequence_classification.", "{{ cookiecutter.task }}",
+        resume="match", data=True)
+    model_name_or_path: str = key(
         "'tiny' builds a small model from a config (no download); else a Hugging Face model name "
-        "or local path.", "tiny")
-    dataset: str = _doc(
+        "or local path.", "tiny", resume="match", data=True)
+    dataset: str = key(
         "'builtin' (the data shipped with this project for the task), a folder holding "
         "train/validation .jsonl/.json/.csv/.parquet files or a save_to_disk() dataset, or a "
-        "Hugging Face dataset name.", "builtin")
-    max_seq_len: int = _doc("Longest sequence in tokens; longer examples are truncated (packed: the block length).",
-                            64)
-    packing: bool = _doc(
+        "Hugging Face dataset name.", "builtin", resume="match", data=True)
+    max_seq_len: int = key("Longest sequence in tokens; longer examples are truncated (packed: the block length).",
+                            64, resume="match", data=True)
+    packing: bool = key(
         "causal_lm only: join the documents (one EOS between them) into blocks of max_seq_len tokens, no "
-        "padding; attention then crosses document boundaries inside a block, as in HF's run_clm.", False)
-    data_cache_dir: str = _doc(
+        "padding; attention then crosses document boundaries inside a block, as in HF's run_clm.", False,
+        resume="match", data=True)
+    data_cache_dir: str = key(
         "Where the tokenised data is prepared once and memory-mapped by every process and later run on the "
         "same data and settings; on a cluster, a folder every node sees (else each node prepares its own).",
-        "data_cache")
-    data_num_proc: int = _doc(
-        "Processes that tokenise while the data is prepared; 0: up to 8 for 100k examples or more, else 1.", 0)
+        "data_cache", resume="free", data=False)
+    data_num_proc: int = key(
+        "Processes that tokenise while the data is prepared; 0: up to 8 for 100k examples or more, else 1.", 0,
+        resume="free", data=False)
 
-    output_dir: str = _doc("Folder for metrics.jsonl, checkpoints/ and final_model/.", "runs/default")
-    seed: int = _doc("Seeds model initialisation and the data order.", 42)
-    max_steps: int = _doc("Optimizer steps to train; -1 trains num_epochs epochs.", -1)
-    num_epochs: int = _doc("Epochs to train when max_steps is -1.", 3)
+    output_dir: str = key("Folder for metrics.jsonl, checkpoints/ and final_model/.", "runs/default",
+                          resume="free", data=False)
+    seed: int = key("Seeds model initialisation and the data order.", 42, resume="match", data=False)
+    max_steps: int = key("Optimizer steps to train; -1 trains num_epochs epochs.", -1, resume="length", data=False)
+    num_epochs: int = key("Epochs to train when max_steps is -1.", 3, resume="length", data=False)
 
-    micro_batch_size: whole_or_auto = _doc(
+    micro_batch_size: whole_or_auto = key(
         "Examples per forward pass on each process; auto: the largest that fits in memory (from "
-        "global_batch_size / world_size, halved until one micro-step fits).", {{ cookiecutter.micro_batch_size }})
-    global_batch_size: int = _doc("Examples per optimizer step, summed over processes.",
-                                  {{ cookiecutter.global_batch_size }})
-    global_batch_size_schedule: str = _doc(
-        "Grow the global batch during the run: \"0:32,20:64,50:128\" (from optimizer step 20 the global batch "
-        "is 64, ...); the first size is global_batch_size, each one a multiple of the one before; the micro "
-        "batch stays, the accumulation follows. Empty: global_batch_size throughout.", "")
-    lr_batch_scaling: Literal["none", "sqrt", "linear"] = _doc(
-        "With global_batch_size_schedule: scale the learning rate with the global batch (sqrt or linear in "
-        "global batch / the first); none keeps the schedule's lr. No effect without a schedule.", "none")
-    memory_budget_mb: float = _doc(
-        "With micro_batch_size auto: the peak MiB one micro-step may use (0: the device's memory, "
-        "found by trying; on CPU a budget is needed to search).", 0.0)
+        "global_batch_size / world_size, halved until one micro-step fits).", {{ cookiecutter.micro_batch_size }},
+        resume="free", data=False)
+    global_batch_size: int = key("Examples per optimizer step, summed over processes.",
+                                  {{ cookiecutter.global_batch_size }}, resume="match", data=False)
 
-    optimizer: Literal["adamw", "sgd", "adafactor"] = _doc(
+    optimizer: Literal["adamw", "sgd", "adafactor"] = key(
         "adamw, sgd (plain, no momentum) or adafactor; biases and norms get no weight decay.",
-        "adamw")
-    learning_rate: float = _doc("Peak learning rate.", 1e-3)
-    lr_scheduler_type: Literal["linear", "cosine", "constant"] = _doc(
-        "Schedule after warmup (constant still warms up).", "linear")
-    warmup_steps: int = _doc("Optimizer steps of linear warmup from 0.", 5)
-    weight_decay: float = _doc("Decoupled weight decay on matrices (not biases or norms).", 0.01)
-    max_grad_norm: float = _doc("Clip the global gradient norm to this; 0 disables clipping.", 1.0)
-    mixed_precision: Literal["no", "bf16", "fp16"] = _doc(
-        "Autocast the forward pass in bf16 or fp16 (fp16 adds a gradient scaler).", "no")
-    fp16_init_scale: float = _doc(
-        "fp16's first loss scale; halved (and the step skipped) on every overflow.", 65536.0)
-    gradient_checkpointing: bool = _doc("Recompute activations in the backward pass.", False)
-    compile: bool = _doc("torch.compile the model (inductor; automatic dynamic shapes), in every entry point.", False)
-    tf32: bool = _doc("TF32 matmuls on CUDA (faster, 10-bit mantissa); false keeps them full fp32.", True)
-    fused_adamw: bool = _doc("AdamW's fused CUDA kernel (optimizer adamw on CUDA).", True)
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = _doc(
+        "adamw", resume="match", data=False)
+    learning_rate: float = key("Peak learning rate.", 1e-3, resume="match", data=False)
+    lr_scheduler_type: Literal["linear", "cosine", "constant"] = key(
+        "Schedule after warmup (constant still warms up).", "linear", resume="match", data=False)
+    warmup_steps: int = key("Optimizer steps of linear warmup from 0.", 5, resume="match", data=False)
+    weight_decay: float = key("Decoupled weight decay on matrices (not biases or norms).", 0.01,
+                              resume="match", data=False)
+    max_grad_norm: float = key("Clip the global gradient norm to this; 0 disables clipping.", 1.0,
+                               resume="match", data=False)
+    mixed_precision: Literal["no", "bf16", "fp16"] = key(
+        "Autocast the forward pass in bf16 or fp16 (fp16 adds a gradient scaler).", "no", resume="match", data=False)
+    fp16_init_scale: float = key(
+        "fp16's first loss scale; halved (and the step skipped) on every overflow.", 65536.0, resume="free", data=False)
+    gradient_checkpointing: bool = key("Recompute activations in the backward pass.", False, resume="free", data=False)
+    compile: bool = key("torch.compile the model (inductor; automatic dynamic shapes), in every entry point.", False,
+                        resume="free", data=False)
+    tf32: bool = key("TF32 matmuls on CUDA (faster, 10-bit mantissa); false keeps them full fp32.", True,
+                     resume="free", data=False)
+    fused_adamw: bool = key("AdamW's fused CUDA kernel (optimizer adamw on CUDA).", True, resume="free", data=False)
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = key(
         "The model's attention kernel: sdpa (torch's scaled_dot_product_attention), eager, or "
-        "flash_attention_2 (needs the flash-attn package).", "sdpa")
-    dataloader_workers: int = _doc(
+        "flash_attention_2 (needs the flash-attn package).", "sdpa", resume="free", data=False)
+    dataloader_workers: int = key(
         "Processes that collate the next micro-batches while the device computes; -1: 4 on CUDA (with "
-        "pinned memory), 0 on CPU.", -1)
-    peak_tflops: float = _doc(
-        "The device's peak TFLOP/s for MFU; 0 takes it from a table of common GPUs (none on CPU: no mfu).", 0.0)
+        "pinned memory), 0 on CPU.", -1, resume="free", data=False)
+    peak_tflops: float = key(
+        "The device's peak TFLOP/s for MFU; 0 takes it from a table of common GPUs (none on CPU: no mfu).", 0.0,
+        resume="free", data=False)
 
-    eval_every: int = _doc("Evaluate every N optimizer steps; 0 evaluates once per epoch.", 0)
-    log_every: int = _doc(
-        "Print the progress line every N optimizer steps (and after the last); 0: about 30 lines per run.", 0)
-    report_to: Literal["wandb", "none"] = _doc(
+    eval_every: int = key("Evaluate every N optimizer steps; 0 evaluates once per epoch.", 0, resume="free", data=False)
+    log_every: int = key(
+        "Print the progress line every N optimizer steps (and after the last); 0: about 30 lines per run.", 0,
+        resume="free", data=False)
+    report_to: Literal["wandb", "none"] = key(
         "wandb logs to Weights & Biases (offline when no API key is set); none disables it.",
-        "wandb")
-    wandb_project: str = _doc("Weights & Biases project.", "{{ cookiecutter.wandb_project }}")
-    wandb_entity: str = _doc("Weights & Biases entity; empty for your default.",
-                             "{{ cookiecutter.wandb_entity }}")
-    save_steps: int = _doc("Write checkpoints/step_<N>/ every N optimizer steps; 0 never.", 0)
-    save_total_limit: int = _doc("Keep the newest K checkpoints; 0 keeps all.", 2)
-    resume_from_checkpoint: str = _doc(
+        "wandb", resume="free", data=False)
+    wandb_project: str = key("Weights & Biases project.", "{{ cookiecutter.wandb_project }}", resume="free", data=False)
+    wandb_entity: str = key("Weights & Biases entity; empty for your default.",
+                             "{{ cookiecutter.wandb_entity }}", resume="free", data=False)
+    save_steps: int = key("Write checkpoints/step_<N>/ every N optimizer steps; 0 never.", 0, resume="free", data=False)
+    save_total_limit: int = key("Keep the newest K checkpoints; 0 keeps all.", 2, resume="free", data=False)
+    resume_from_checkpoint: str = key(
         "'auto' continues from the newest complete checkpoint in output_dir (or starts fresh "
-        "when there is none); a path continues from that checkpoint; empty starts fresh.", "")
-    stop_after_steps: int = _doc(
+        "when there is none); a path continues from that checkpoint; empty starts fresh.", "",
+        resume="free", data=False)
+    stop_after_steps: int = key(
         "End this job after N optimizer steps of this job with a checkpoint, as if preempted; "
-        "0 runs to the end. The schedule still spans max_steps.", 0)
-    max_nonfinite_steps: int = _doc(
+        "0 runs to the end. The schedule still spans max_steps.", 0, resume="free", data=False)
+    max_nonfinite_steps: int = key(
         "A step whose loss or gradient norm is not finite is skipped (parameters, optimizer and schedule "
-        "untouched); after this many in a row the job stops with exit code 3.", 3)
+        "untouched); after this many in a row the job stops with exit code 3.", 3, resume="free", data=False)
 
-    deepspeed: str = _doc("DeepSpeed JSON config (train_accelerate and train_trainer).", "")
-    ddp_no_sync: bool = _doc(
+    deepspeed: str = key("DeepSpeed JSON config (train_accelerate and train_trainer).", "", resume="free", data=False)
+    ddp_no_sync: bool = key(
         "Skip DDP's gradient all-reduce on all but the last micro-step of each optimizer step. "
-        "Turn off only to measure what it saves.", True)
-    ddp_bucket_cap_mb: float = _doc("DDP gradient bucket size in MiB.", 25.0)
-    fsdp: Literal["none", "full_shard", "hybrid_shard"] = _doc(
-        "train_pytorch: shard parameters, gradients and optimizer state with FSDP2 (fully_shard) instead of DDP: "
-        "full_shard over every process, hybrid_shard within each of fsdp_replicas groups (HSDP).", "none")
-    fsdp_replicas: int = _doc(
-        "hybrid_shard: replica groups of the mesh (replicate x shard); the world size must be a multiple.", 1)
-    fsdp_grad_sync: Literal["micro_step", "window"] = _doc(
+        "Turn off only to measure what it saves.", True, resume="free", data=False)
+    ddp_bucket_cap_mb: float = key("DDP gradient bucket size in MiB.", 25.0, resume="free", data=False)
+    fsdp_grad_sync: Literal["micro_step", "window"] = key(
         "FSDP2: reduce-scatter the gradients every micro-step (sharded, least memory) or once per window "
-        "(unsharded gradients held across it, fewer collectives).", "micro_step")
-    async_checkpoint: bool = _doc(
-        "FSDP2: write sharded checkpoints in the background while training continues.", False)
-    rendezvous_timeout_s: float = _doc(
-        "Seconds to wait for every process to join the process group before giving up with one line.", 300.0)
-    collective_timeout_s: float = _doc(
+        "(unsharded gradients held across it, fewer collectives).", "micro_step", resume="free", data=False)
+    rendezvous_timeout_s: float = key(
+        "Seconds to wait for every process to join the process group before giving up with one line.", 300.0,
+        resume="free", data=False)
+    collective_timeout_s: float = key(
         "Seconds a collective (all-reduce, barrier) may wait for the other processes: a process that "
-        "stops responding fails the job after this long instead of hanging it.", 600.0)
-    debug_distributed: bool = _doc(
-        "Run with TORCH_DISTRIBUTED_DEBUG=DETAIL: every collective first checks that all ranks call it with "
-        "the same shapes, so a mismatch fails at once with a description instead of hanging (slower: a "
-        "check per collective). Either way a failed collective leaves output_dir/debug/rank_<r>.json.", False)
+        "stops responding fails the job after this long instead of hanging it.", 600.0, resume="free", data=False)
 
     def __post_init__(self) -> None:
         for name in PATHS:  # `~` as a shell expands it, also where no shell read the value (a YAML file)
@@ -171,13 +160,15 @@ class TrainConfig:
                 raise ConfigError(f"{f.name} must be a finite number, got {getattr(self, f.name)}")
         positive = ("max_seq_len", "num_epochs", "global_batch_size", "fp16_init_scale", "max_nonfinite_steps",
                     "rendezvous_timeout_s", "collective_timeout_s")
-        if self.micro_batch_size != "auto" and self.micro_batch_size < 1:
+        if self.micro_batch_size == "auto":
+            extras.require("auto_batch", "micro_batch_size auto")
+        elif self.micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size must be >= 1 or auto, got {self.micro_batch_size}")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        non_negative = ("warmup_steps", "weight_decay", "max_grad_norm", "eval_every", "log_every", "memory_budget_mb",
-                        "data_num_proc", "save_steps", "save_total_limit", "stop_after_steps", "peak_tflops")
+        non_negative = ("warmup_steps", "weight_decay", "max_grad_norm", "eval_every", "log_every", "data_num_proc",
+                        "save_steps", "save_total_limit", "stop_after_steps", "peak_tflops")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -192,20 +183,34 @@ class TrainConfig:
         if self.packing and self.task != "causal_lm":
             raise ConfigError(f"packing joins documents for causal_lm; task {self.task} keeps one example per "
                               "sequence: set packing false")
-        parse_schedule(self.global_batch_size_schedule, self.global_batch_size)
         if self.ddp_bucket_cap_mb <= 0:
             raise ConfigError(f"ddp_bucket_cap_mb must be > 0, got {self.ddp_bucket_cap_mb}")
-        if self.fsdp_replicas < 1:
-            raise ConfigError(f"fsdp_replicas must be >= 1, got {self.fsdp_replicas}")
-        if self.fsdp_replicas > 1 and self.fsdp != "hybrid_shard":
-            raise ConfigError(f"fsdp_replicas {self.fsdp_replicas} needs fsdp hybrid_shard (replicas of a sharded "
-                              f"model), got fsdp {self.fsdp}")
+        extras.check(self)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 _FIELDS = {f.name: f for f in fields(TrainConfig)}
+
+
+def keys_where(**declared) -> tuple[str, ...]:
+    """The config keys declared (extras.key) with these values, e.g. resume="match" or data=True."""
+    return tuple(name for name, f in _FIELDS.items() if all(f.metadata[k] == v for k, v in declared.items()))
+
+
+def _unknown(names: list[str], where: str, text: str = "") -> ConfigError:
+    """One line for keys (`where` says in which file) or flags (`text`: argparse's list) this project does
+    not know; a key or flag of an extra it was baked without names the extra."""
+    extra = next((name for name in names if extras.owner(name)), None)
+    if extra is not None:
+        what = f"key {extra}{where}" if where else f"flag --{extra}"
+        return ConfigError(extras.not_baked(what, extras.owner(extra)))
+    if where:
+        return ConfigError(f"unknown key(s) {', '.join(names)}{where}; known keys: {', '.join(sorted(_FIELDS))}")
+    return ConfigError(f"unknown flag(s) {text}; run with --help for the list")
+
+
 # The groups of keys in configs/train.yaml, each headed before its first key.
 SECTIONS = {"task": "What to train on", "output_dir": "Where and how long",
             "micro_batch_size": "Batch maths: grad_accum_steps = global_batch_size / (micro_batch_size x world_size)",
@@ -232,9 +237,13 @@ def render_yaml(cfg: TrainConfig | None = None) -> str:
     """configs/train.yaml as TrainConfig defines it: every key with its default, under its help;
     given `cfg`, with its values instead (the merged config that a run with it records)."""
     lines = [YAML_HEADER.rstrip("\n")] if cfg is None else []
-    for f in fields(TrainConfig):
+    own, extra = set(TrainConfig.__annotations__), None  # the core's keys first, then each extra's under its name
+    for f in sorted(fields(TrainConfig), key=lambda f: f.name not in own):
         if f.name in SECTIONS:
             lines += ["", f"# == {SECTIONS[f.name]} =="]
+        elif f.name not in own and extras.owner(f.name) != extra:
+            extra = extras.owner(f.name)
+            lines += ["", f"# == Extra {extra}: {extras.EXTRAS[extra][0]} =="]
         lines += [f"# {line}" for line in textwrap.wrap(f.metadata["help"], 98)]
         lines.append(f"{f.name}: {_yaml_value(f.default if cfg is None else getattr(cfg, f.name))}")
     return "\n".join(lines).lstrip("\n") + "\n"
@@ -288,9 +297,7 @@ def _read_yaml(path: str) -> dict:
         raise ConfigError(f"config file {path} must hold a mapping of keys to values")
     unknown = sorted(set(map(str, values)) - set(_FIELDS))
     if unknown:
-        raise ConfigError(
-            f"unknown key(s) {', '.join(unknown)} in {path}; known keys: {', '.join(sorted(_FIELDS))}"
-        )
+        raise _unknown(unknown, f" in {path}")
     empty = sorted(str(key) for key, value in values.items() if value is None)
     if empty:
         raise ConfigError(f"key(s) {', '.join(empty)} in {path} have no value (YAML null); give one, or leave the "
@@ -322,7 +329,7 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
         config, _ = parser.parse_args_into_dataclasses(_as_flags(values) + argv)
     except ValueError as err:
         unused = str(err).split(":", 1)[-1].strip()
-        raise ConfigError(f"unknown flag(s) {unused}; run with --help for the list") from None
+        raise _unknown(re.findall(r"--(\w+)", unused), "", unused) from None
     return config
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .config import TrainConfig
+from .config import TrainConfig, keys_where
 from .errors import ConfigError
 from .output_lock import process_started, running_here
 
@@ -107,10 +107,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def cache_folder(cfg: TrainConfig, source, tokenizer) -> Path:
     """The prepared data's folder in data_cache_dir: its name holds a hash of everything that
-    changes it (source files, tokenizer, max_seq_len, task, packing), so a sweep over one corpus
-    shares it whatever the output_dir, and a changed file or setting prepares anew."""
-    key = json.dumps([CACHE_FORMAT, source_fingerprint(source), tokenizer_fingerprint(tokenizer), cfg.max_seq_len,
-                      cfg.task, cfg.packing])
+    changes it (every key declared data=True in config.py, the source files and the tokenizer by
+    their content), so a sweep over one corpus shares it whatever the output_dir, and a changed file
+    or setting prepares anew."""
+    values = {name: getattr(cfg, name) for name in keys_where(data=True)}
+    values.update(dataset=source_fingerprint(source), model_name_or_path=tokenizer_fingerprint(tokenizer))
+    key = json.dumps([CACHE_FORMAT, values], sort_keys=True)
     name = Path(source.name).name
     return Path(cfg.data_cache_dir) / f"{cfg.task}-{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 

@@ -13,15 +13,29 @@ import re
 import socket
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from .extras import key
+
 FLIGHT_RECORDER_ENTRIES = "2000"  # torch's Flight Recorder: the latest collectives of each process
 MAX_WAIT_S = 10.0  # for the other ranks' word, after this rank's collective failed
 _step = [0]  # the optimizer step in progress on this rank (Session.windows); 0 before the first
+
+
+@dataclass
+class Keys:
+    """The doctor extra's key."""
+
+    debug_distributed: bool = key(
+        "Run with TORCH_DISTRIBUTED_DEBUG=DETAIL: every collective first checks that all ranks call it with "
+        "the same shapes, so a mismatch fails at once with a description instead of hanging (slower: a "
+        "check per collective). Either way a failed collective leaves output_dir/debug/rank_<r>.json.", False,
+        resume="free", data=False)
 
 
 def watch(debug_distributed: bool) -> None:
