@@ -51,6 +51,12 @@ BAD_ANSWERS = [
     ({"launchers": ""}, "launchers '' names '', which is not a launcher"),
     ({"launchers": "slurm;kubernetes"}, "names 'slurm;kubernetes', which is not a launcher"),
     ({"launchers": "kubernetes, sky"}, "names 'sky', which is not a launcher"),
+    ({"extras": "lora"}, "extras 'lora' names 'lora', which is not an extra; use 'none', 'all' or a comma-separated "
+                         "list of fsdp, auto_batch, batch_schedule, doctor, benchmarks"),
+    ({"extras": "fsdp,,"}, "extras 'fsdp,,' names '', which is not an extra"),
+    ({"extras": ""}, "extras '' names '', which is not an extra"),
+    ({"extras": "none,fsdp"}, "extras 'none,fsdp' mixes none with extras"),
+    ({"extras": "fsdp;doctor"}, "names 'fsdp;doctor', which is not an extra"),
     ({"container_image": "My Image"}, "container_image 'My Image' is not an image reference"),
     ({"container_image": "img:$(id)"}, "container_image 'img:$(id)' is not an image reference"),
     ({"project_slug": "a" * 51}, f"project_slug '{'a' * 51}' gives the Kubernetes name '{'a' * 51}', which is not "

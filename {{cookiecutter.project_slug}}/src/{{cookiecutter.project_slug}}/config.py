@@ -7,6 +7,7 @@ line on stderr.
 """
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -255,6 +256,13 @@ class _Parser(HfArgumentParser):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    @staticmethod
+    def _parse_dataclass_field(parser, field):
+        # argparse takes each field's help; what else extras.key declares is ours
+        shown = copy.copy(field)
+        shown.metadata = {"help": field.metadata["help"]}
+        HfArgumentParser._parse_dataclass_field(parser, shown)
 
     def error(self, message: str):
         # "argument --max_steps/--max-steps: ..." -> "argument --max_steps: ..."
