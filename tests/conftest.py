@@ -61,15 +61,16 @@ def baked(cookies_session):
 
 GENERATED_SUITE_TIMEOUT_S = 3600  # the default bake's slow tier: about 25 minutes on a 2-core VM beside the rest
 
-# The task only sets the generated config's default: the whole suite runs on the default bake (its
-# slow tier here; its fast tier is the CI workflow's `make test`, which test_team runs in the same
-# bake, the default answers), and the parity tests run again on the other, for its loss (the mean
-# over examples), in the 1x1 and 2x4 cells (2x4 holds both data parallelism and accumulation; 1x4
-# and 2x1 are the default bake's), less what does not depend on the task: two torchrun agents,
-# sync counts, the lr of every cell, and the packed cells (causal_lm's). Both in 2 pytest-xdist
-# workers, as the project's Makefile runs its tests; the slow tier's tests handed out one by one
-# and taken over by an idle worker (worksteal: its modules differ tenfold in length).
-TASK_SUITES = {"causal_lm": ["-n", "2", "--dist", "worksteal", "-m", "slow"],
+# The task only sets the generated config's default. The whole suite of the bake with every extra
+# runs here (both tiers: the extras' tests and the core's); the default bake (the core alone) runs
+# its fast tier as the CI workflow's `make test`, in test_team. The parity tests run again on the
+# sequence_classification bake, for its loss (the mean over examples), in the 1x1 and 2x4 cells
+# (2x4 holds both data parallelism and accumulation; 1x4 and 2x1 are the other bake's), less what
+# does not depend on the task: two torchrun agents, sync counts, the lr of every cell, and the packed
+# cells (causal_lm's). Both in 2 pytest-xdist workers, as the project's Makefile runs its tests, the
+# tests handed out one by one and taken over by an idle worker (worksteal: modules differ tenfold).
+SUITE_ANSWERS = {"causal_lm": {"extras": "all"}, "sequence_classification": {}}
+TASK_SUITES = {"causal_lm": ["-n", "2", "--dist", "worksteal"],
                "sequence_classification": ["-n", "2", "tests/test_parity.py", "-k", "not two_torchrun_agents and not "
                                            "ddp_syncs and not learning_rate and not packed and not 1x4 and not 2x1"]}
 # The longest of them mostly waits on a few processes: it starts as soon as the tests are collected
@@ -124,7 +125,7 @@ def pytest_collection_finish(session):
         if task in BACKGROUND_TASKS and task not in BACKGROUND:
             out = Path(tempfile.mkdtemp(prefix=f"bake-{task}-"))
             BACKGROUND_BAKES.append(out)
-            bake = bake_cli(out, task=task)
+            bake = bake_cli(out, task=task, **SUITE_ANSWERS[task])
             assert bake.returncode == 0, bake.stderr
             BACKGROUND[task] = GeneratedSuite(out / "gacc_train", *TASK_SUITES[task])
 

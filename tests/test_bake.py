@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BACKGROUND, GENERATED_SUITE_TIMEOUT_S, TASK_SUITES, GeneratedSuite, project_files, report
+from conftest import (
+    BACKGROUND,
+    GENERATED_SUITE_TIMEOUT_S,
+    SUITE_ANSWERS,
+    TASK_SUITES,
+    GeneratedSuite,
+    project_files,
+    report,
+)
 
 TASKS = ("causal_lm", "sequence_classification")
 ENTRY_POINTS = ("all", "pytorch", "accelerate", "trainer")
@@ -148,7 +156,8 @@ def test_each_launchers_answer_bakes_its_files_lint_clean_and_passing_its_fast_t
 @pytest.mark.parametrize("task", TASKS)
 def test_generated_suite_passes(baked, task):
     """The background suites (conftest.BACKGROUND_TASKS) started when the tests were collected."""
-    proc = (BACKGROUND.get(task) or GeneratedSuite(baked(task=task), *TASK_SUITES[task])).result()
+    suite = BACKGROUND.get(task) or GeneratedSuite(baked(task=task, **SUITE_ANSWERS[task]), *TASK_SUITES[task])
+    proc = suite.result()
     # the generated suite's "measured" section (parameter differences, sync counts, accuracies), for the log
     section = proc.stdout.partition(" measured ")[2].splitlines()[1:]
     measured = itertools.takewhile(lambda line: not line.startswith("="), section)

@@ -274,6 +274,16 @@ def test_cruft_update_brings_template_changes_and_keeps_the_users(tmp_path):
     assert (project / "configs" / "accelerate" / "multi_gpu.yaml").is_file()
     assert json.loads((project / ".cruft.json").read_text())["context"]["cookiecutter"]["entry_points"] == "all"
     assert "seed: 1234" in config.read_text()
+    commit_all(project, "all loops")
+
+    # an extra added later (docs/extending.md's command): its files and keys arrive, the team's edit stays
+    assert not (project / "src" / "team_train" / "sharding.py").exists()
+    extended = cruft("update", "-y", "--variables-to-update", json.dumps({"extras": "fsdp,doctor"}), cwd=project)
+    assert extended.returncode == 0, extended.stdout + extended.stderr
+    for module in ("fsdp", "sharding", "doctor", "hangs"):
+        assert (project / "src" / "team_train" / f"{module}.py").is_file(), module
+    assert not (project / "src" / "team_train" / "noise.py").exists()
+    assert "\nfsdp: \"none\"\n" in config.read_text() and "seed: 1234" in config.read_text()
 
 
 def test_a_project_made_with_cookiecutter_joins_cruft_with_its_recorded_answers(tmp_path):
