@@ -53,7 +53,8 @@ BAD_VARIABLES = [({"NPROC_PER_NODE": "0"}, "error: NPROC_PER_NODE=0 is not a who
                  ({"MASTER_PORT": "99999"}, "error: MASTER_PORT=99999 is not a port (1-65535)"),
                  ({"ENTRY": "foo"}, f"error: ENTRY=foo is not an entry point of this project; use "
                                     f"{', '.join(sorted(ENTRIES))}" + (" or doctor" if "doctor" in BAKED else "")),
-                 *([] if "doctor" in BAKED else [({"ENTRY": "doctor"}, f"error: {not_baked('ENTRY=doctor', 'doctor')}")])]
+                 *([] if "doctor" in BAKED else [({"ENTRY": "doctor"},
+                                                   f"error: {not_baked('ENTRY=doctor', 'doctor')}")])]
 SBATCH_BAD_VARIABLES = [({"SLURM_NNODES": "abc"}, "error: SLURM_NNODES=abc is not a whole number of at least 1"),
                         ({"CONFIG": "configs/trian.yaml"},
                          "error: CONFIG=configs/trian.yaml names configs/trian.yaml, which is not a file"),

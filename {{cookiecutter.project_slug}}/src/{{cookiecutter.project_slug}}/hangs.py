@@ -113,10 +113,10 @@ def _exchange(report: dict, rank: int, world_size: int, wait_s: float) -> dict[i
     keys = {q: f"debug/rank_{q}" for q in range(world_size) if q != rank}
     deadline, others = time.monotonic() + wait_s, {}
     while keys and time.monotonic() < deadline:
-        for q, key in list(keys.items()):
+        for q, name in list(keys.items()):
             try:
-                if store.check([key]):
-                    others[q] = json.loads(store.get(key))
+                if store.check([name]):
+                    others[q] = json.loads(store.get(name))
                     del keys[q]
             except Exception:
                 return others
