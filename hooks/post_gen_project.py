@@ -23,7 +23,10 @@ EXTRA_FILES = {
     "batch_schedule": ["{pkg}/batch_schedule.py", "{pkg}/noise.py", "docs/noise_scale.png"],
     "doctor": ["{pkg}/doctor.py", "{pkg}/hangs.py", "tests/test_doctor.py", "tests/doctor_faults.py",
                "tests/test_hangs.py", "tests/collective_mismatch.py"],
-    "benchmarks": [],
+    "benchmarks": ["benchmarks/__main__.py", "benchmarks/abab.py", "benchmarks/checkpointing.py",
+                   "benchmarks/communication.py", "benchmarks/data.py", "benchmarks/harness.py",
+                   "benchmarks/library_loops.py", "benchmarks/loss_curves.py", "benchmarks/memory.py",
+                   "benchmarks/overhead.py", "benchmarks/startup.py", "tests/test_benchmarks.py"],
 }
 
 

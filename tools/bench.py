@@ -1,5 +1,6 @@
-"""`make bench`: bake the template with its defaults into a temporary folder (timed: the bake of
-the start-up benchmark, through the cookiecutter CLI as a user types it), then run the baked
+"""`make bench`: bake the template with its defaults and every extra (`extras=all`: the benchmarks
+are one) into a temporary folder (timed: the bake of the start-up benchmark, through the
+cookiecutter CLI as a user types it), then run the baked
 project's benchmarks (`python -m benchmarks`) with this environment's Python. The results land
 in bench/ here: results.json and the plots. Arguments go to the benchmarks, e.g.
 `python tools/bench.py --model gpt2-small --mixed_precision bf16` on a GPU machine."""
@@ -17,9 +18,10 @@ BAKE_TIMEOUT_S, BENCH_TIMEOUT_S = 120, 3600
 
 
 def bake(out: Path) -> tuple[Path, float]:
-    """The default project baked into `out` by `cookiecutter TEMPLATE --no-input`, and its seconds."""
+    """The default project with every extra, baked into `out` by `cookiecutter TEMPLATE --no-input
+    extras=all`, and its seconds."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "cookiecutter", str(TEMPLATE), "--no-input", "-o", str(out)],
+    subprocess.run([sys.executable, "-m", "cookiecutter", str(TEMPLATE), "--no-input", "extras=all", "-o", str(out)],
                    check=True, capture_output=True, timeout=BAKE_TIMEOUT_S)
     seconds = time.perf_counter() - start
     (project,) = [p for p in out.iterdir() if p.is_dir()]

@@ -1,4 +1,5 @@
-"""`make demo`: bake the template with its defaults into a temporary folder, train the project
+"""`make demo`: bake the template with its defaults and every extra (`extras=all`: the plots come
+from the benchmarks and the noise scale) into a temporary folder, train the project
 with each of its three entry points on 2 CPU processes (torchrun, gloo on loopback, the same seed
 and data), and plot their loss per optimizer step on one figure, `docs/loss_curves.png` of the
 baked project (the curves overlap: the entry points train the same), and the gradient noise scale
@@ -28,7 +29,7 @@ def train(project: Path, entry: str, run_dir: Path, env: dict) -> int:
 
 def main() -> int:
     out = Path(tempfile.mkdtemp(prefix="gacc-demo-"))
-    project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(out)))
+    project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(out), extra_context={"extras": "all"}))
     env = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}

@@ -29,18 +29,8 @@ from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, m
 from {{ cookiecutter.project_slug }}.optim import build_optimizer
 from {{ cookiecutter.project_slug }}.sharding import save_sharded, shard
 
-from .common import (
-    clock,
-    free_port,
-    lacks_gpus,
-    optimizer_step,
-    parser,
-    prepare_model,
-    print_table,
-    save_results,
-    spawned_process,
-    train_flags,
-)
+from .common import free_port, parser, prepare_model, train_flags
+from .harness import clock, lacks_gpus, optimizer_step, print_table, save_results, spawned_process
 
 WORLD_SIZE, ACCUM = 2, 4
 PAIRS = 10

@@ -30,19 +30,16 @@ from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, m
 from {{ cookiecutter.project_slug }}.noise import NoiseScale, read_norms
 from {{ cookiecutter.project_slug }}.optim import build_optimizer
 
-from .common import (
+from .common import free_port, parser, prepare_model, train_flags
+from .harness import (
     clock,
     figure,
-    free_port,
     lacks_gpus,
     optimizer_step,
-    parser,
-    prepare_model,
     print_table,
     save_powers_of_two_plot,
     save_results,
     spawned_process,
-    train_flags,
 )
 
 WORLD_SIZE = 2

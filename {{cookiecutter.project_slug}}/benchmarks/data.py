@@ -17,9 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-from .common import ROOT, SLUG, figure, free_port, parser, print_table, save_figure, save_results, subprocess_env
+from .common import ROOT, SLUG, free_port, parser, subprocess_env, write_corpus
+from .harness import figure, print_table, save_figure, save_results
 
 STEPS = 40  # optimizer steps per run; steps 11-40 give the steady state
 TIMEOUT_S = 3600
@@ -31,24 +30,6 @@ atexit.register(lambda: open(f"{out}/rank{os.environ['RANK']}", "w").write(
     str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
 runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
 """
-
-
-def write_corpus(folder: Path, documents: int, seed: int = 0) -> int:
-    """`documents` stories of 10 to 120 words from the shipped corpus's vocabulary, and a
-    validation split of 1 %; returns the bytes written."""
-    words = sorted({w for line in (ROOT / "src" / SLUG / "assets" / "data" / "causal_lm" / "train.jsonl")
-                    .read_text().splitlines() for w in json.loads(line)["text"].split()})
-    rng = np.random.default_rng(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, n in (("train", documents), ("validation", max(100, documents // 100))):
-        with (folder / f"{split}.jsonl").open("w") as f:
-            for start in range(0, n, 10_000):
-                count = min(10_000, n - start)
-                lengths = rng.integers(10, 121, count)
-                picks = np.array(words)[rng.integers(0, len(words), lengths.sum())]
-                texts = np.split(picks, np.cumsum(lengths)[:-1])
-                f.write("".join(json.dumps({"text": " ".join(t)}) + "\n" for t in texts))
-    return sum(p.stat().st_size for p in folder.iterdir())
 
 
 def launch(project: Path, corpus: Path, cache: Path | None, out: Path) -> dict:

@@ -3,8 +3,9 @@
 - tokens per second and MFU of each entry point beside the nanoGPT-style loop
   (benchmarks/bare_loop.py) on GPT-2 small's shape (124M parameters, random weights, no
   download), bf16, compile off and on, the same packed batches and optimizer;
-- peak memory of a training step against the micro batch (torch.cuda.max_memory_allocated);
-- `--micro_batch_size auto` without a budget: the largest micro batch found by real CUDA OOM;
+- with the extra auto_batch: peak memory of a training step against the micro batch
+  (torch.cuda.max_memory_allocated), and `--micro_batch_size auto` without a budget: the largest
+  micro batch found by real CUDA OOM;
 - two processes on the one GPU (DIST_BACKEND=gloo: nccl refuses two ranks per device): the 2x4
   cell against 1x1, and DDP's all-reduces per optimizer step.
 
@@ -29,14 +30,25 @@ import torch
 from safetensors.torch import load_file
 
 from {{ cookiecutter.project_slug }}.config import load_config
-from {{ cookiecutter.project_slug }}.memory import MIB, training_step_peak
+from {{ cookiecutter.project_slug }}.extras import BAKED, plug
 from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
 from {{ cookiecutter.project_slug }}.speed import flops_per_token, peak_flops
 
-from .common import GPT2_SMALL, ROOT, SLUG, entry_points, free_port, machine, parser, prepare_model, subprocess_env
-from .data import write_corpus
+from .common import (
+    GPT2_SMALL,
+    ROOT,
+    SLUG,
+    entry_points,
+    free_port,
+    machine,
+    parser,
+    prepare_model,
+    subprocess_env,
+    write_corpus,
+)
 
 TIMEOUT_S = 600
+training_step_peak = plug("auto_batch", "memory:training_step_peak")  # the memory section's, with its extra
 # What each device measures: GPT-2 small on a GPU; on the CPU the self-test's tiny model. Causal LM
 # whatever the project's own task (packing is for causal LM only).
 SETTINGS = {
@@ -100,7 +112,7 @@ def memory_rows(base: dict, device: torch.device) -> list[dict]:
     for micro in (1, 2, 4, 8, 16):
         try:
             rows.append({"micro_batch_size": micro, "peak_mib": round(training_step_peak(cfg, config, micro, device)
-                                                                      / MIB, 3)})
+                                                                      / 2**20, 3)})
         except torch.OutOfMemoryError:
             rows.append({"micro_batch_size": micro, "peak_mib": None})
         if device.type == "cuda":
@@ -141,12 +153,13 @@ def markdown(result: dict) -> str:
               f"{r['mfu']:.1%} | {r['vs_bare']:.3f} |" if r["mfu"] is not None else
               f"| {r['loop']} | {'on' if r['compile'] else 'off'} | {r['tokens_per_s']:,} | - | {r['vs_bare']:.3f} |"
               for r in result["speed"]]
-    lines += ["", "| micro batch | peak MiB |", "|---|---|"]
-    lines += [f"| {r['micro_batch_size']} | {r['peak_mib'] if r['peak_mib'] is not None else 'OOM'} |"
-              for r in result["memory"]]
+    if "memory" in result:
+        lines += ["", "| micro batch | peak MiB |", "|---|---|"]
+        lines += [f"| {r['micro_batch_size']} | {r['peak_mib'] if r['peak_mib'] is not None else 'OOM'} |"
+                  for r in result["memory"]]
+        lines += ["", f"micro_batch_size auto: `{result['auto_micro_batch']}`"]
     parity = result["two_ranks_on_one_gpu"]
-    lines += ["", f"micro_batch_size auto: `{result['auto_micro_batch']}`", "",
-              f"2 ranks on one GPU (gloo), 2x4 vs 1x1: max |param diff| {parity['max_param_diff']:.3g}, "
+    lines += ["", f"2 ranks on one GPU (gloo), 2x4 vs 1x1: max |param diff| {parity['max_param_diff']:.3g}, "
               f"max |loss diff| {parity['max_loss_diff']:.3g}, all-reduces per step {parity['grad_sync_calls']}"]
     return "\n".join(lines) + "\n"
 
@@ -180,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         write_corpus(corpus, 60_000 if args.device == "cuda" else 2_000)
         write("speed", speed_rows(base, steps, ("false", "true") if args.device == "cuda" else ("false",), tmp, cache,
                                   corpus, device))
-        write("memory", memory_rows(base, device))
-        peaks = {r["micro_batch_size"]: r["peak_mib"] for r in result["memory"]}
-        write("auto_micro_batch", auto_micro_batch(base, tmp, cache, corpus,
-                                                   None if args.device == "cuda" else (peaks[4] + peaks[8]) / 2))
+        if "auto_batch" in BAKED:
+            write("memory", memory_rows(base, device))
+            peaks = {r["micro_batch_size"]: r["peak_mib"] for r in result["memory"]}
+            write("auto_micro_batch", auto_micro_batch(base, tmp, cache, corpus,
+                                                       None if args.device == "cuda" else (peaks[4] + peaks[8]) / 2))
         write("two_ranks_on_one_gpu", two_ranks_on_one_gpu(tmp, cache))
     (out / "gpu_check.md").write_text(markdown(result))
     print(markdown(result))

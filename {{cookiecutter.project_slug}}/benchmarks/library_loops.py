@@ -24,7 +24,7 @@ from {{ cookiecutter.project_slug }}.model import build_model
 from {{ cookiecutter.project_slug }}.optim import SCHEDULES, build_optimizer, build_scheduler
 from {{ cookiecutter.project_slug }}.startup import start
 
-from .common import optimizer_step
+from .harness import optimizer_step
 
 
 def training_copy(session):
@@ -35,7 +35,7 @@ def training_copy(session):
 
 
 class TorchLoop:
-    """A bare optimizer step (common.optimizer_step) and the schedule's step: CPU seconds per window."""
+    """A bare optimizer step (harness.optimizer_step) and the schedule's step: CPU seconds per window."""
 
     def __init__(self, session):
         self.cfg, self.device = session.cfg, session.env.device

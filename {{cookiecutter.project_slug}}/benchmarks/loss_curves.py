@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .common import figure, save_figure
+from .harness import figure, save_figure
 
 STYLES = [("-", 3.0), ("--", 2.0), (":", 1.5), ("-.", 1.0)]  # overlapping curves stay visible
 

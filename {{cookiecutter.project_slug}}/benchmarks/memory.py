@@ -34,20 +34,16 @@ from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, m
 from {{ cookiecutter.project_slug }}.optim import build_optimizer
 from {{ cookiecutter.project_slug }}.sharding import shard
 
-from .common import (
+from .common import free_port, parser, prepare_model, train_config, train_flags
+from .harness import (
     figure,
-    free_port,
     lacks_gpus,
     optimizer_step,
-    parser,
-    prepare_model,
     print_table,
     save_figure,
     save_powers_of_two_plot,
     save_results,
     spawned_process,
-    train_config,
-    train_flags,
 )
 
 GOAL = 1.1  # peak of b x k over the peak of a plain step at b

@@ -20,17 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import (
-    ROOT,
-    SLUG,
-    entry_points,
-    parser,
-    prepare_model,
-    print_table,
-    save_results,
-    subprocess_env,
-    train_flags,
-)
+from .common import ROOT, SLUG, entry_points, parser, prepare_model, subprocess_env, train_flags
+from .harness import print_table, save_results
 
 RUNS = 3
 BAKE_GOAL_S, FIRST_STEP_GOAL_S = 1.0, 10.0

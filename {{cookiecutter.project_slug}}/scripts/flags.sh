@@ -38,14 +38,21 @@ a_port() {
   fi
 }
 
-# `known_entry`: ENTRY names an entry point of this project (src/<package>/train_<ENTRY>.py) or
-# the doctor; else one line naming them and exit 2.
+{%- set doctor = 'doctor' in cookiecutter.__extras.split(',') %}
+
+# `known_entry`: ENTRY names an entry point of this project (src/<package>/train_<ENTRY>.py){{ ' or\n# the doctor;' if doctor else ';\n#' }} else one line naming them and exit 2.
 known_entry() {
-  if [[ "$ENTRY" != doctor && ! -f "src/{{ cookiecutter.project_slug }}/train_$ENTRY.py" ]]; then
+{%- if not doctor %}
+  if [[ "$ENTRY" == doctor ]]; then
+    echo "error: ENTRY=doctor belongs to the extra 'doctor' (the doctor (python -m {{ cookiecutter.project_slug }}.doctor) and the record of a hung collective), which this project was baked without; add it with \`cruft update\` and extras including doctor, or re-bake (docs/extending.md)" >&2
+    exit 2
+  fi
+{%- endif %}
+  if [[ {{ '"$ENTRY" != doctor && ' if doctor }}! -f "src/{{ cookiecutter.project_slug }}/train_$ENTRY.py" ]]; then
     local entries=(src/{{ cookiecutter.project_slug }}/train_*.py) listed
     entries=("${entries[@]##*/train_}")
     printf -v listed '%s, ' "${entries[@]%.py}"
-    echo "error: ENTRY=$ENTRY is not an entry point of this project; use ${listed%, } or doctor" >&2
+    echo "error: ENTRY=$ENTRY is not an entry point of this project; use ${listed%, }{{ ' or doctor' if doctor }}" >&2
     exit 2
   fi
 }
@@ -68,6 +75,8 @@ node_range() {
   fi
 }
 
+{%- if doctor %}
+
 # `entry_module`: the module that ENTRY names: the entry point train_<ENTRY>, or for ENTRY=doctor
 # the doctor, which checks the launch (ranks, network, versions, an all-reduce) and trains nothing.
 entry_module() {
@@ -77,6 +86,13 @@ entry_module() {
     echo "{{ cookiecutter.project_slug }}.train_$ENTRY"
   fi
 }
+{%- else %}
+
+# `entry_module`: the module that ENTRY names, the entry point train_<ENTRY>.
+entry_module() {
+  echo "{{ cookiecutter.project_slug }}.train_$ENTRY"
+}
+{%- endif %}
 
 # `torchrun_args`: torchrun's options for one node of a job, into the array TORCHRUN_ARGS, from
 # NNODES (N, or MIN:MAX: torchrun then starts with any count in the range and restarts the

@@ -13,7 +13,7 @@
 #   --config "$CONFIG" --output_dir "$OUTPUT_DIR" --resume_from_checkpoint auto
 # so that a restarted job continues from the newest checkpoint in OUTPUT_DIR (a persistent volume);
 # SIGTERM stops the job after a checkpoint, with exit code 143 (below).
-# Environment: ENTRY (pytorch | accelerate | trainer | doctor), NNODES (overrides the controller's count;
+# Environment: ENTRY (pytorch | accelerate | trainer{% if 'doctor' in cookiecutter.__extras.split(',') %} | doctor{% endif %}), NNODES (overrides the controller's count;
 # MIN:MAX for an elastic range), NPROC_PER_NODE (overrides too), MASTER_PORT (JobSet, SkyPilot:
 # 29500), MAX_RESTARTS (1), RUN_ID (the job's name, the same on every node), OUTPUT_DIR
 # (runs/<run id>), CONFIG (configs/train.yaml), PYTHON (python), DRY_RUN=1 (print the command).

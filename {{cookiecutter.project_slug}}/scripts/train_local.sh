@@ -5,7 +5,7 @@
 #   scripts/train_local.sh --max_steps 20 --report_to none
 #   ENTRY=pytorch NPROC_PER_NODE=4 scripts/train_local.sh --config configs/train.yaml
 #   DRY_RUN=1 scripts/train_local.sh        # print the command instead of running it (1/true/yes)
-# ENTRY: pytorch | accelerate | trainer, or doctor (make doctor: checks the launch, trains nothing).
+# ENTRY: pytorch | accelerate | trainer{% if 'doctor' in cookiecutter.__extras.split(',') %}, or doctor (make doctor: checks the launch, trains nothing){% endif %}.
 # PYTHON: the interpreter (default: python).
 # NNODES (default 1): more than this machine, each node running this script with the same
 # MASTER_ADDR (the first node's), MASTER_PORT and RUN_ID: a count N, or MIN:MAX for an elastic job

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from {{ cookiecutter.project_slug }}.extras import BAKED, not_baked
+
 from conftest import DATA_CACHE, ENTRIES, LAUNCH_TIMEOUT_S, ROOT, SLUG, error_lines, wait_for_step
 
 SCRIPTS = sorted((ROOT / "scripts").rglob("*.sh")) + sorted((ROOT / "scripts").rglob("*.sbatch"))
@@ -50,7 +52,9 @@ BAD_VARIABLES = [({"NPROC_PER_NODE": "0"}, "error: NPROC_PER_NODE=0 is not a who
                  ({"MASTER_PORT": "29 500"}, "error: MASTER_PORT=29 500 is not a port (1-65535)"),
                  ({"MASTER_PORT": "99999"}, "error: MASTER_PORT=99999 is not a port (1-65535)"),
                  ({"ENTRY": "foo"}, f"error: ENTRY=foo is not an entry point of this project; use "
-                                    f"{', '.join(sorted(ENTRIES))} or doctor")]
+                                    f"{', '.join(sorted(ENTRIES))}" + (" or doctor" if "doctor" in BAKED else "")),
+                 *([] if "doctor" in BAKED else [({"ENTRY": "doctor"},
+                                                   f"error: {not_baked('ENTRY=doctor', 'doctor')}")])]
 SBATCH_BAD_VARIABLES = [({"SLURM_NNODES": "abc"}, "error: SLURM_NNODES=abc is not a whole number of at least 1"),
                         ({"CONFIG": "configs/trian.yaml"},
                          "error: CONFIG=configs/trian.yaml names configs/trian.yaml, which is not a file"),

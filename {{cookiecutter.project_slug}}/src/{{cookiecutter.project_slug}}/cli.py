@@ -11,8 +11,13 @@ import torch.distributed as dist
 from .config import TrainConfig, load_config
 from .distributed import cleanup, lost_contact
 from .errors import ConfigError, Interrupted, JobFailed, RunFinished, first_line
-from .hangs import disagreement, explain, watch
+from .extras import plug
 from .output_lock import release_held
+
+# With the doctor's extra, a failed collective leaves each rank's record and names who did not arrive (hangs.py).
+watch = plug("doctor", "hangs:watch", default=lambda cfg: None)
+disagreement = plug("doctor", "hangs:disagreement", default=lambda err: None)
+explain = plug("doctor", "hangs:explain", default=lambda err, cfg: "")
 
 
 def run_cli(train: Callable[[TrainConfig], int | None]) -> None:
@@ -21,8 +26,8 @@ def run_cli(train: Callable[[TrainConfig], int | None]) -> None:
     stderr and exit code 2, a JobFailed one line and its exit code, a RunFinished one line on stdout
     and exit code 0, and a lost process (a collective that timed out, a peer that died) one line and
     exit code 1, and Ctrl-C (or SIGTERM while data is prepared) one line and 128 + the signal's number.
-    A lost process, or a collective the ranks disagree on (debug_distributed), also leaves each
-    rank's output_dir/debug/rank_<r>.json, and its line says which ranks did not arrive (hangs.py).
+    With the doctor's extra, a lost process, or a collective the ranks disagree on (debug_distributed),
+    also leaves each rank's output_dir/debug/rank_<r>.json, and its line says which ranks did not arrive.
 
     The process group is destroyed only after `train` has returned, so that DDP's reducer (which
     holds the group) is freed first: the other order can hang or abort in gloo's destructor.
@@ -30,7 +35,7 @@ def run_cli(train: Callable[[TrainConfig], int | None]) -> None:
     code, cfg = 0, None
     try:
         cfg = load_config()
-        watch(cfg.debug_distributed)  # before any process group exists
+        watch(cfg)  # before any process group exists
         code = train(cfg) or 0
     except RunFinished as done:
         print(done, flush=True)
@@ -47,12 +52,12 @@ def run_cli(train: Callable[[TrainConfig], int | None]) -> None:
         differ = disagreement(err)
         if not (differ or lost_contact(err)):
             raise
-        forensics = explain(err, cfg.output_dir, cfg.collective_timeout_s)
+        forensics = explain(err, cfg)
         if differ:
-            print(f"error: the processes ran different collectives ({differ}): {forensics}; the job stops: make "
+            print(f"error: the processes ran different collectives ({differ}){forensics}; the job stops: make "
                   "every rank run the same collectives in the same order", file=sys.stderr, flush=True)
         else:
-            print(f"error: lost contact with the other processes ({first_line(err)}): {forensics}; the job stops: a "
+            print(f"error: lost contact with the other processes ({first_line(err)}){forensics}; the job stops: a "
                   "restart (torchrun --max_restarts, a requeue) resumes it from its newest checkpoint",
                   file=sys.stderr, flush=True)
         os._exit(1)  # a peer is gone or stuck: nothing may wait on it again, not even the exit

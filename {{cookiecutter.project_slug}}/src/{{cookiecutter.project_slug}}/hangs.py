@@ -5,6 +5,7 @@ A collective that times out (collective_timeout_s), loses a peer, or that the ra
 the job. Each rank then writes output_dir/debug/rank_<r>.json, posts what it was in to the
 rendezvous store, reads what the others posted, and says in its one line (cli.run_cli) who did
 not arrive or who disagreed. docs/launching.md, "When a job hangs", shows the files and lines.
+The doctor's extra plugs these into the core (cli.py, session.py, torchrun.py: extras.plug).
 """
 
 import json
@@ -38,11 +39,11 @@ class Keys:
         resume="free", data=False)
 
 
-def watch(debug_distributed: bool) -> None:
+def watch(cfg) -> None:
     """Before the process group exists: keep a Flight Recorder buffer (unless TORCH_FR_BUFFER_SIZE
     says otherwise), and with `debug_distributed` check every collective's shapes across ranks."""
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
-    if debug_distributed:
+    if cfg.debug_distributed:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         dist.set_debug_level_from_env()  # torch read the variable when it was imported
 
@@ -112,10 +113,10 @@ def _exchange(report: dict, rank: int, world_size: int, wait_s: float) -> dict[i
     keys = {q: f"debug/rank_{q}" for q in range(world_size) if q != rank}
     deadline, others = time.monotonic() + wait_s, {}
     while keys and time.monotonic() < deadline:
-        for q, key in list(keys.items()):
+        for q, name in list(keys.items()):
             try:
-                if store.check([key]):
-                    others[q] = json.loads(store.get(key))
+                if store.check([name]):
+                    others[q] = json.loads(store.get(name))
                     del keys[q]
             except Exception:
                 return others
@@ -127,9 +128,10 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def explain(err: BaseException, output_dir: str, collective_timeout_s: float) -> str:
-    """Write this rank's debug file and return the part of its one line that says what this rank
-    was in, at which step, and what each other rank said (or that it said nothing)."""
+def explain(err: BaseException, cfg) -> str:
+    """Write this rank's debug file and return what its one line adds (": rank 1 was in ..."): what
+    this rank was in, at which step, and what each other rank said (or that it said nothing)."""
+    output_dir, collective_timeout_s = cfg.output_dir, cfg.collective_timeout_s
     rank, world_size = dist.get_rank(), dist.get_world_size()
     trace = _flight_recorder()
     mine = _collective(err, trace)
@@ -157,4 +159,10 @@ def explain(err: BaseException, output_dir: str, collective_timeout_s: float) ->
         text += f"; {_ranks(silent)} did not arrive (no word within {min(MAX_WAIT_S, collective_timeout_s):g} s)"
     elif not differ:
         text += "; so was every other rank"
-    return f"{text}; {where}"
+    return f": {text}; {where}"
+
+
+def said_by_the_worker(args) -> tuple[int, ...]:
+    """The exit codes of a worker whose own line says it all, for torchrun's `args` (torchrun.py):
+    the doctor's 2, a check that failed."""
+    return (2,) if args.module and args.training_script == f"{__package__}.doctor" else ()

@@ -23,12 +23,14 @@ from .checkpoint import (
 from .data import Collator, eval_dataloader, example_sizes, loading, train_dataloader
 from .distributed import print0, sum_and_read
 from .errors import JobFailed
-from .hangs import at_step
+from .extras import plug
 from .noise import NoiseScale
 from .speed import compiled_graphs, flop_counts, training_flops
 from .startup import AUTO_CEILING, Run
 from .tracking import Tracker
 from .windows import MicroBatchRetry, Window, windows_from
+
+at_step = plug("doctor", "hangs:at_step", default=lambda step: None)  # the step a failed collective names
 
 
 class Session:
@@ -81,7 +83,7 @@ class Session:
     def windows(self, loader) -> Iterator[Window]:
         """From the resume point on, each optimizer step's window (windows.windows_from)."""
         for window in windows_from(loader, self.sampler, self.retry, self.run.start_step, self.run.total_steps):
-            at_step(window.step)  # named in the line of a collective that fails (hangs.py)
+            at_step(window.step)
             yield window
 
     def every_micro_step_syncs(self) -> bool:

@@ -3,8 +3,9 @@ ending in one line where torchrun would print a traceback or a report of what a 
 - a stop by Ctrl-C or SIGTERM: exit code 128 + the signal's number; torchrun passes the signal on
   to its workers, which print their own line each (SIGTERM: they stop after the next optimizer step
   with a checkpoint); workers that got SIGTERM themselves end with 143, and so does torchrun;
-- the doctor's failed check: its exit code 2 and the doctor's own line, nothing after it (training
-  keeps torchrun's code 1 and report for a worker's exit code 2);
+- a worker whose own line says it all (the doctor's failed check, where that extra is baked): its
+  exit code and its line, nothing after it (training keeps torchrun's code 1 and report for a
+  worker's exit code 2);
 - a lost rendezvous (the node that held it is gone, or nodes never came): exit code 1.
 """
 
@@ -22,11 +23,12 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.run import main, parse_args
 
+from .extras import plug
+
 # A worker's exit codes after SIGTERM: its own (Session.stopped, errors.Interrupted), or the signal's
 # when torchrun, seeing the first worker end, stopped one that was already on its way out.
 TERMINATED = (128 + signal.SIGTERM, -signal.SIGTERM)
-DOCTOR = "{{ cookiecutter.project_slug }}.doctor"
-CHECK_FAILED = 2  # the doctor's exit code for a check that failed, after its one line
+said_by_the_worker = plug("doctor", "hangs:said_by_the_worker", default=lambda args: ())
 
 
 class _SaidByTheLine(logging.Filter):
@@ -58,17 +60,18 @@ def rendezvous_failure(error: RendezvousError, endpoint: str, nnodes: str) -> st
             "it resumes from the newest checkpoint)")
 
 
-def doctor_failed(failed: ChildFailedError) -> bool:
-    """Whether the doctor's check failed: the first worker to fail exited 2 (after its one line),
-    and torchrun stopped any other that had not."""
-    codes = {failure.exitcode for failure in failed.failures.values()}
-    return failed.get_first_failure()[1].exitcode == CHECK_FAILED and codes <= {CHECK_FAILED, -signal.SIGTERM}
+def said_it_all(failed: ChildFailedError, codes: tuple[int, ...]) -> int | None:
+    """The exit code of the first worker to fail where it is one of `codes` (its line said it all)
+    and torchrun stopped any other that had not; else None."""
+    first = failed.get_first_failure()[1].exitcode
+    ended = {failure.exitcode for failure in failed.failures.values()}
+    return first if first in codes and ended <= {first, -signal.SIGTERM} else None
 
 
 if __name__ == "__main__":
     args = parse_args(sys.argv[1:])
-    doctor = args.module and args.training_script == DOCTOR
-    said = _SaidByTheLine(TERMINATED + ((CHECK_FAILED,) if doctor else ()))
+    own_line = said_by_the_worker(args)
+    said = _SaidByTheLine(TERMINATED + own_line)
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api",
                  "torch.distributed.elastic.rendezvous.dynamic_rendezvous"):
         logging.getLogger(name).addFilter(said)
@@ -84,8 +87,8 @@ if __name__ == "__main__":
         print(rendezvous_failure(error, endpoint, args.nnodes), file=sys.stderr, flush=True)
         sys.exit(1)
     except ChildFailedError as failed:
-        if doctor and doctor_failed(failed):
-            sys.exit(CHECK_FAILED)
+        if (code := said_it_all(failed, own_line)) is not None:
+            sys.exit(code)
         codes = [failure.exitcode for failure in failed.failures.values()]
         if TERMINATED[0] not in codes or not set(codes) <= set(TERMINATED):
             raise
