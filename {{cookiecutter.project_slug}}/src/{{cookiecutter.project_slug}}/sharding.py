@@ -122,8 +122,7 @@ class Sharded:
         self.model = shard(model, cfg, env)
         self.counter = CollectiveCounter(self.model, hybrid=cfg.fsdp == "hybrid_shard")
         self.env = env
-        # the background writer's own group: on the training group its collectives would interleave with training's
-        self.background = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
+        self.background = dist.new_group(backend="gloo") if cfg.async_checkpoint else None  # save_sharded's
 
     def save(self, optimizer, folder: Path, training: dict) -> Future | None:
         """Each rank writes its shards (in the background: their Future, published later); rank 0
