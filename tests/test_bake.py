@@ -38,7 +38,7 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str, launchers
         "README.md", "pyproject.toml", "configs/train.yaml", "configs/experiments/gpt2_small.yaml",
         "configs/experiments/long_context.yaml", "scripts/check_commit.py", "scripts/train_local.sh",
         "scripts/flags.sh",
-        *(f"{pkg}/{m}.py" for m in ("__init__", "batch", "checkpoint", "checkpoint_files", "cli", "config", "data",
+        *(f"{pkg}/{m}.py" for m in ("__init__", "batch", "checkpoint", "cli", "config", "data",
                                      "data_cache", "distributed", "errors", "evaluation", "launch", "memory", "model",
                                      "noise", "optim", "output_lock", "prepare", "prepare_data", "session", "sharding",
                                      "sources", "speed", "startup", "torchrun", "tracking", "windows", "doctor",

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from {{ cookiecutter.project_slug }}.config import TrainConfig
 from {{ cookiecutter.project_slug }}.distributed import DistEnv, dist_env
 from {{ cookiecutter.project_slug }}.model import autocast_for, count_targets, summed_loss
-from {{ cookiecutter.project_slug }}.sharding import clip_gradients, gradient_sync
+from {{ cookiecutter.project_slug }}.optim import clip_gradients
 
 from .common import machine
 
@@ -21,7 +22,7 @@ from .common import machine
 def optimizer_step(model, window: list[dict], optimizer, cfg: TrainConfig, device: torch.device,
                    no_sync: bool = True, on_gradients=None) -> None:
     """One optimizer step over the micro-batches of `window`, written plainly: forward and backward
-    of each (DDP's no_sync() on all but the last when `no_sync`; FSDP2 as cfg.fsdp_grad_sync says),
+    of each (DDP's no_sync() on all but the last when `no_sync`, or FSDP2's, as cfg.fsdp_grad_sync says),
     `on_gradients()` if given, clip, step, zero_grad.
 
     Each micro-batch's summed loss is divided by the real targets of the window on this process
@@ -30,7 +31,8 @@ def optimizer_step(model, window: list[dict], optimizer, cfg: TrainConfig, devic
     for micro_step, micro_batch in enumerate(window):
         batch = {key: value.to(device, non_blocking=True) for key, value in micro_batch.items()}
         labels = batch.pop("labels")
-        with gradient_sync(model, micro_step == len(window) - 1, no_sync, cfg.fsdp_grad_sync):
+        skip_sync = no_sync and micro_step < len(window) - 1 and hasattr(model, "no_sync")  # one process: none
+        with model.no_sync() if skip_sync else nullcontext():
             with autocast_for(cfg, device):
                 logits = model(**batch).logits
             (summed_loss(logits, labels, cfg.task) / num_targets).backward()

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from {{ cookiecutter.project_slug }}.batch import parse_schedule
-from {{ cookiecutter.project_slug }}.checkpoint_files import check_file
+from {{ cookiecutter.project_slug }}.checkpoint import check_file
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.distributed import DistEnv
 from {{ cookiecutter.project_slug }}.launch import check_back_end, launch_of

@@ -2,27 +2,27 @@
 
 `checkpoints/step_<N>/` and `final_model/` are written into a temporary folder and renamed once
 every process has finished, with a `state.json` (step, entry point, config, library versions, the
-size of every file); a resume compares that config and checks the files (checkpoint_files.py)
-up front. docs/guarantees.md tells the story.
+size of every file); a resume compares that config and checks the files up front, read without
+loading them: a checkpoint from a shared folder must run no code. docs/guarantees.md tells the story.
 """
 
 import hashlib
 import json
 import os
+import pickletools
 import random
 import shlex
 import shutil
+import struct
 import tempfile
+import zipfile
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .checkpoint_files import check_file
 from . import extras
 from .config import TrainConfig, keys_where
 from .distributed import DistEnv, barrier, print0, ranks_with
@@ -31,6 +31,23 @@ from .errors import ConfigError, JobFailed, first_line
 STATE_FILE = "state.json"
 FINAL_DIR = "final_model"
 LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed")
+# What the pickles in a checkpoint may name: tensors and their storages, containers, numpy arrays
+# (RNG states), and the classes DeepSpeed's own state holds. Anything else could run code on load.
+SAFE_GLOBALS = {
+    ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
+    ("torch._tensor", "_rebuild_from_type_v2"), ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"),
+    ("_codecs", "encode"), ("numpy", "dtype"), ("numpy", "ndarray"), ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"), ("deepspeed.utils.tensor_fragment", "fragment_address"),
+}
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl")
+# An extra's own pickled files that are no torch files (a sharded checkpoint's index): name -> what
+# they may name besides, and what else is wrong with them
+PICKLED_INDEXES = extras.plug("fsdp", "fsdp:PICKLED_INDEXES", default={})
+# Opcodes that leave the pickle machine's stack as it is (framing, memo writes).
+NEUTRAL_OPS = {"PROTO", "FRAME", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"}
 
 
 def checkpoints_dir(output_dir: str) -> Path:
@@ -80,6 +97,69 @@ def read_state(path: Path) -> dict:
         raise ConfigError(f"checkpoint {path} is unreadable ({STATE_FILE}: {err!r}); "
                           "resume from another one or remove it") from None
     return state
+
+
+def _pickle_globals(data: bytes) -> set[tuple[str, str]]:
+    """The (module, name) pairs a pickle would import, read from its opcodes without running it. A
+    STACK_GLOBAL imports the two values on top of the stack: they are known only when the two
+    opcodes that pushed last (framing and memo writes aside) each pushed a string, read directly
+    or from the memo; otherwise it comes back as ("?", "?"), which no rule allows."""
+    found, pushed, memo = set(), [], {}  # pushed: the strings the latest opcodes pushed, in order
+    for op, arg, _ in pickletools.genops(data):
+        name = op.name
+        if name in NEUTRAL_OPS:
+            if name != "PROTO" and name != "FRAME":
+                memo[len(memo) if name == "MEMOIZE" else arg] = pushed[-1] if pushed else None
+            continue
+        if name.endswith(("UNICODE", "STRING", "UNICODE8")):
+            pushed.append(arg if isinstance(arg, str) else None)
+            continue
+        if name.endswith("GET"):
+            pushed.append(memo.get(arg))
+            continue
+        if name in ("GLOBAL", "INST"):
+            found.add(tuple(arg.split(" ", 1)))
+        elif name == "STACK_GLOBAL":
+            found.add(tuple(pushed[-2:]) if len(pushed) >= 2 and None not in pushed[-2:] else ("?", "?"))
+        elif name in ("EXT1", "EXT2", "EXT4"):
+            found.add(("copyreg extension", str(arg)))
+        pushed = []  # any other opcode changes the stack in a way not followed here
+    return found
+
+
+def check_file(path: Path) -> str:
+    """Why `path` would not load safely, or "" (its structure only: the bytes are the loader's)."""
+    with path.open("rb") as f:
+        head = f.read(8)
+    if path.suffix == ".safetensors":
+        size = path.stat().st_size
+        if len(head) < 8:
+            return "is truncated (no safetensors header)"
+        length = struct.unpack("<Q", head)[0]
+        try:
+            with path.open("rb") as f:
+                header = json.loads(f.read(8 + length)[8:])
+            end = max([0, *(t["data_offsets"][1] for k, t in header.items() if k != "__metadata__")])
+        except (ValueError, KeyError, TypeError, IndexError):
+            return "has a damaged safetensors header"
+        return "" if 8 + length + end == size else f"is {size} bytes where its header needs {8 + length + end}"
+    allowed, index_problem = PICKLED_INDEXES.get(path.name, (set(), None))
+    if path.suffix not in PICKLE_SUFFIXES and not index_problem:
+        return ""
+    try:
+        if zipfile.is_zipfile(path) and not index_problem:  # an index is one plain pickle
+            with zipfile.ZipFile(path) as archive:
+                pickles = [archive.read(n) for n in archive.namelist() if n.endswith(".pkl")]
+        else:
+            pickles = [path.read_bytes()]
+        unsafe = set().union(*map(_pickle_globals, pickles)) - SAFE_GLOBALS - allowed
+    except (zipfile.BadZipFile, ValueError, EOFError, UnicodeDecodeError) as err:
+        return f"is damaged ({type(err).__name__}: {err})"
+    unsafe = {(m, n) for m, n in unsafe if not (m == "torch" and n.endswith("Storage"))}
+    if unsafe:
+        names = ", ".join(sorted("an import it hides" if (m, n) == ("?", "?") else f"{m}.{n}" for m, n in unsafe))
+        return f"would run code when loaded (its pickle names {names}); only load checkpoints you made"
+    return index_problem(pickles[0]) if index_problem else ""
 
 
 def _damage(path: Path, state: dict) -> str:
@@ -272,36 +352,13 @@ def _attempt(env: DistEnv, output_dir: str, what: str, action: Callable[[], None
         raise WriteFailed(what, reason, output_dir)
 
 
-@dataclass
-class PendingWrite:
-    """A folder whose files are still being written in the background (an asynchronous checkpoint):
-    `finish()` waits for them on every process, then publishes it. Until then, and if the job dies
-    first, the newest complete checkpoint stays the one before."""
-
-    cfg: TrainConfig
-    env: DistEnv
-    tmp: Path
-    final: Path
-    state: dict
-    written: Future
-
-    def finish(self) -> Path:
-        try:
-            _attempt(self.env, self.cfg.output_dir, self.final.name, self.written.result)
-            return publish(self.cfg, self.env, self.tmp, self.final, self.state)
-        except JobFailed:
-            if self.env.is_main_process:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-            raise
-
-
 def write_atomically(cfg: TrainConfig, env: DistEnv, final: Path, write: Callable[[Path], object],
-                     state: dict) -> "Path | PendingWrite":
+                     state: dict, finish: Callable | None = None):
     """Run `write(folder)` on every process into a temporary folder beside `final`, then publish it
-    as `final` with `state` in its state.json. A failed write on any process stops every process
-    with one line; `final` is untouched, the partial folder removed. A `write` that returns a Future
-    (its files still being written) gives a PendingWrite, to finish later."""
-    tmp, written = final.with_name(f".tmp_{final.name}"), []
+    as `final` with `state` in its state.json (or have `finish(cfg, env, folder, final, state)` do it:
+    an extra's write that goes on in the background). A failed write on any process stops every
+    process with one line; `final` is untouched, the partial folder removed."""
+    tmp = final.with_name(f".tmp_{final.name}")
 
     def make_tmp() -> None:
         if env.is_main_process:
@@ -310,10 +367,8 @@ def write_atomically(cfg: TrainConfig, env: DistEnv, final: Path, write: Callabl
 
     try:
         _attempt(env, cfg.output_dir, final.name, make_tmp)
-        _attempt(env, cfg.output_dir, final.name, lambda: written.append(write(tmp)))
-        if isinstance(written[0], Future):
-            return PendingWrite(cfg, env, tmp, final, state, written[0])
-        return publish(cfg, env, tmp, final, state)
+        _attempt(env, cfg.output_dir, final.name, lambda: write(tmp))
+        return (finish or publish)(cfg, env, tmp, final, state)
     except JobFailed:
         if env.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)

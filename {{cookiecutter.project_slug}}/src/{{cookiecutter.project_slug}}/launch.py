@@ -10,10 +10,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import extras
 from .batch import BatchPlan
 from .config import TrainConfig
 from .distributed import DistEnv
 from .errors import ConfigError
+
+check_sharding = extras.plug("fsdp", "fsdp:check_launch", default=lambda cfg, env, entry: None)
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ def check_back_end(cfg: TrainConfig, env: DistEnv, launch: Launch, schedule: tup
     if not on_accelerate and fsdp:
         raise ConfigError(f"train_{entry} shards with its own --fsdp full_shard (FSDP2), not through an accelerate "
                           "config; launch it with torchrun, or train_accelerate with configs/accelerate/fsdp.yaml")
-    check_fsdp2(cfg, env, entry)
+    check_sharding(cfg, env, entry)
     if fsdp and env.device.type == "cpu":
         raise ConfigError("FSDP needs GPUs: on CPU Accelerate ignores the FSDP config and would train plain DDP; "
                           "use configs/accelerate/multi_gpu.yaml on CPU, fsdp.yaml on GPUs")
@@ -75,31 +78,6 @@ def check_back_end(cfg: TrainConfig, env: DistEnv, launch: Launch, schedule: tup
     if on_accelerate and cfg.mixed_precision == "fp16" and env.device.type == "cpu":
         raise ConfigError("mixed_precision fp16 on CPU: Accelerate (and the Trainer on it) runs no fp16 autocast "
                           "or loss scaling on CPU and would train in fp32; use bf16 on CPU, or train_pytorch")
-
-
-def check_fsdp2(cfg: TrainConfig, env: DistEnv, entry: str) -> None:
-    """train_pytorch's own FSDP2 (`fsdp`) and what cannot go with it."""
-    if cfg.fsdp == "none":
-        if cfg.async_checkpoint:
-            raise ConfigError("async_checkpoint writes sharded checkpoints in the background: it needs --fsdp "
-                              "full_shard or hybrid_shard; drop it for a run without fsdp")
-        return
-    if entry != "pytorch":
-        raise ConfigError(f"fsdp {cfg.fsdp} is train_pytorch's FSDP2; train_{entry} shards through its library's "
-                          "own switch on GPUs (accelerate launch --config_file configs/accelerate/fsdp.yaml): "
-                          "use train_pytorch, or set fsdp none")
-    if env.world_size % cfg.fsdp_replicas:
-        raise ConfigError(f"fsdp_replicas {cfg.fsdp_replicas} does not divide the world size {env.world_size}: "
-                          "hybrid_shard needs replica groups of equal size; use a divisor of it")
-    if cfg.optimizer == "adafactor":
-        raise ConfigError("optimizer adafactor keeps factored statistics that FSDP2's sharded parameters do not "
-                          "support; use adamw or sgd under fsdp")
-    if not cfg.ddp_no_sync:
-        raise ConfigError("ddp_no_sync false is DDP's (an all-reduce every micro-step); under fsdp choose the "
-                          "gradient sync with fsdp_grad_sync micro_step or window")
-    if cfg.micro_batch_size == "auto":
-        raise ConfigError("micro_batch_size auto measures DDP's memory per process, not a sharded model's; give "
-                          "a number under fsdp (or measure it: python -m benchmarks.memory)")
 
 
 def check_launcher_env(plan: BatchPlan) -> None:

@@ -4,12 +4,15 @@ Weight decay applies to matrices (embeddings, linear weights) and not to biases 
 for every optimizer. The schedule is stepped once per optimizer step, never per micro-step.
 """
 
+import math
+
 import torch
 from transformers import get_scheduler
 from transformers.optimization import Adafactor
 
 from .batch import BatchPlan, lr_batch_factor
 from .config import TrainConfig
+from .distributed import full_norm
 
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
 
@@ -35,6 +38,16 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
         return torch.optim.SGD(groups, lr=cfg.learning_rate, momentum=0.0)
     return Adafactor(groups, lr=cfg.learning_rate, scale_parameter=False, relative_step=False,
                      warmup_init=False)
+
+
+def clip_gradients(model: torch.nn.Module, max_grad_norm: float) -> torch.Tensor:
+    """Clip to `max_grad_norm` (0: no clipping) by the whole model's gradient norm, and return it.
+    Of sharded gradients (DTensors) the norm of this rank's shards alone would be a part of it, so
+    the full norm clips (and is recorded)."""
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    norm = full_norm(torch.nn.utils.get_total_norm([p.grad for p in parameters]))
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_grad_norm or math.inf, norm)
+    return norm
 
 
 def total_steps(cfg: TrainConfig, sampler) -> int:

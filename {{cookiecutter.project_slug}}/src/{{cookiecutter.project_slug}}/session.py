@@ -12,14 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (
-    PendingWrite,
-    checkpoints_dir,
-    final_dir,
-    newest_checkpoint,
-    write_atomically,
-    write_final,
-)
+from . import extras
+from .checkpoint import checkpoints_dir, final_dir, newest_checkpoint, write_atomically, write_final
 from .data import Collator, eval_dataloader, example_sizes, loading, train_dataloader
 from .distributed import print0, sum_and_read
 from .errors import JobFailed
@@ -31,6 +25,8 @@ from .tracking import Tracker
 from .windows import MicroBatchRetry, Window, windows_from
 
 at_step = plug("doctor", "hangs:at_step", default=lambda step: None)  # the step a failed collective names
+# a checkpoint whose files an extra writes in the background: published later, by the `finish()` it gives
+write_checkpoint = extras.plug("fsdp", "sharding:write_in_background", default=write_atomically)
 
 
 class Session:
@@ -39,8 +35,8 @@ class Session:
 
     def __init__(self, run: Run, model: torch.nn.Module, accelerator=None, sync_counter=None):
         """Announce the run (rank 0) and start its record; `model` is the unwrapped model (for mfu).
-        W&B goes through `accelerator` when given; `sync_counter`: DDP's GradSyncCounter (or
-        sharding.CollectiveCounter under FSDP2)."""
+        W&B goes through `accelerator` when given; `sync_counter`: DDP's GradSyncCounter (or a
+        sharded model's counter of its collectives)."""
         self.run, self.cfg, self.env = run, run.cfg, run.env
         self.sync_counter = sync_counter
         self.stop_signal = ""  # the preemption signal any rank got (SIGTERM before SIGUSR1), as of the latest read
@@ -52,7 +48,7 @@ class Session:
         self.job_steps = 0  # optimizer steps taken by this job (a resumed job starts again at 0)
         self.nonfinite: list[int] = []  # the latest consecutive non-finite steps
         self.stop_reason = ""
-        self.pending: PendingWrite | None = None  # a checkpoint still being written in the background
+        self.pending = None  # a checkpoint still being written in the background (write_checkpoint)
         self.last_elapsed_s = 0.0
         self.flop_counts = flop_counts(model)
         self.input_lengths, self.example_targets = example_sizes(run.data["train"], self.cfg.task)
@@ -203,9 +199,9 @@ class Session:
         """checkpoints/step_<step>, written by `write(folder)` on every process, atomically (a write
         still under way in the background is published at the next save, or at the end)."""
         self.finish_checkpoint()
-        written = write_atomically(self.cfg, self.env, checkpoints_dir(self.cfg.output_dir) / f"step_{step}", write,
+        written = write_checkpoint(self.cfg, self.env, checkpoints_dir(self.cfg.output_dir) / f"step_{step}", write,
                                    self.state(step))
-        self.pending = written if isinstance(written, PendingWrite) else None
+        self.pending = None if isinstance(written, Path) else written
 
     def finish_checkpoint(self) -> None:
         """Wait for the checkpoint written in the background, if any, and publish it."""

@@ -1,11 +1,16 @@
 """FSDP2 for train_pytorch: parameters, gradients and optimizer state sharded over the processes
-(`fully_shard` on each decoder layer and the root), or HSDP (replica groups x shards); each
-micro-step's gradient sync; the collectives each step counted; sharded checkpoints (DCP) that load
-into any world size, mesh or an unsharded model. docs/memory.md says which mode to pick.
+(`fully_shard` on each decoder layer and the root), or HSDP (replica groups x shards); its
+`no_sync()` for the micro-steps of a window; the collectives each step counted; sharded checkpoints
+(DCP), written in the background with async_checkpoint, that load into any world size, mesh or an
+unsharded model. docs/memory.md says which mode to pick.
 """
 
-import math
-from contextlib import nullcontext
+import shutil
+from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,11 +25,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from .checkpoint import older_that_loads
+from .checkpoint import _attempt, older_that_loads, publish, write_atomically
 from .config import TrainConfig
-from .distributed import DistEnv, full_norm
+from .distributed import DistEnv, init_distributed
 from .errors import JobFailed, first_line
 from .model import fsdp_mixed_precision
 from .speed import COMPILE
@@ -39,7 +44,7 @@ def shard(model: torch.nn.Module, cfg: TrainConfig, env: DistEnv) -> FSDPModule:
     `_no_split_modules`) a unit of its own, then the root (embeddings, final norm, head). Under
     mixed precision the forward runs in bf16/fp16 and gradients are reduced and accumulated in fp32.
     With `compile`, each layer is compiled on its own, before it is sharded (FSDP2's hooks stay
-    outside the compiled graphs)."""
+    outside the compiled graphs). Its `no_sync()` is DDP's, for FSDP2 (no_sync below)."""
     if cfg.fsdp == "hybrid_shard":
         mesh = init_device_mesh(env.device.type, (cfg.fsdp_replicas, env.world_size // cfg.fsdp_replicas),
                                 mesh_dim_names=("replicate", "shard"))
@@ -52,31 +57,22 @@ def shard(model: torch.nn.Module, cfg: TrainConfig, env: DistEnv) -> FSDPModule:
             if cfg.compile:
                 module.compile(**COMPILE)
             fully_shard(module, mesh=mesh, mp_policy=policy)
-    return fully_shard(model, mesh=mesh, mp_policy=policy)
+    sharded = fully_shard(model, mesh=mesh, mp_policy=policy)
+    sharded.no_sync = partial(no_sync, sharded, cfg.fsdp_grad_sync)
+    return sharded
 
 
-def gradient_sync(model, is_last: bool, ddp_no_sync: bool = True, fsdp_grad_sync: str = "micro_step"):
-    """Around one micro-step: the gradient sync it runs. DDP: `no_sync()` on all but the window's
-    last (ddp_no_sync). FSDP2: a reduce-scatter every micro-step (fsdp_grad_sync micro_step) or on
-    the last only (window); HSDP's all-reduce across replicas on the last only, in either mode."""
-    if isinstance(model, DDP):
-        return model.no_sync() if ddp_no_sync and not is_last else nullcontext()
-    if isinstance(model, FSDPModule):
-        if fsdp_grad_sync == "window":
-            model.set_requires_gradient_sync(is_last)
-        else:
-            model.set_requires_all_reduce(is_last)
-    return nullcontext()
-
-
-def clip_gradients(model: torch.nn.Module, max_grad_norm: float) -> torch.Tensor:
-    """Clip to `max_grad_norm` (0: no clipping) by the whole model's gradient norm, and return it.
-    Under FSDP2 the norm of the sharded gradients is a DTensor; the norm of this rank's shards
-    alone would be a part of it, so the full norm clips (and is recorded)."""
-    parameters = [p for p in model.parameters() if p.grad is not None]
-    norm = full_norm(torch.nn.utils.get_total_norm([p.grad for p in parameters]))
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_grad_norm or math.inf, norm)
-    return norm
+@contextmanager
+def no_sync(model: FSDPModule, fsdp_grad_sync: str):
+    """DDP's no_sync() for FSDP2, around each micro-step of a window but its last: a reduce-scatter
+    still every micro-step (fsdp_grad_sync micro_step) or none (window: the last does it); HSDP's
+    all-reduce across replicas on the last only, in either mode."""
+    switch = model.set_requires_gradient_sync if fsdp_grad_sync == "window" else model.set_requires_all_reduce
+    switch(False)
+    try:
+        yield
+    finally:
+        switch(True)
 
 
 class CollectiveCounter:
@@ -111,6 +107,38 @@ class CollectiveCounter:
     @staticmethod
     def take_norms() -> tuple[None, None]:
         return None, None  # the gradient noise scale reads DDP's buckets (distributed.GradSyncCounter)
+
+
+class Sharded:
+    """train_pytorch's model sharded with FSDP2 in DDP's stead: the process group (joined by one
+    process too), its scaler, its collective counter, its checkpoints and its whole weights at the
+    end. `sharded(run, model)` gives it where cfg.fsdp asks for it."""
+
+    GradScaler = ShardedGradScaler  # fp16: the overflow check of each rank's shards, agreed by all
+
+    def __init__(self, run, model: torch.nn.Module):
+        cfg, env = run.cfg, run.env
+        init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s, alone_too=True)
+        self.model = shard(model, cfg, env)
+        self.counter = CollectiveCounter(self.model, hybrid=cfg.fsdp == "hybrid_shard")
+        self.env = env
+        self.background = dist.new_group(backend="gloo") if cfg.async_checkpoint else None  # save_sharded's
+
+    def save(self, optimizer, folder: Path, training: dict) -> Future | None:
+        """Each rank writes its shards (in the background: their Future, published later); rank 0
+        the rest of the training state."""
+        written = save_sharded(self.model, optimizer, folder, self.background)
+        if self.env.is_main_process:
+            torch.save(training, folder / "training_state.pt")
+        return written
+
+    def whole_state(self) -> dict:
+        return whole_model_state(self.model)
+
+
+def sharded(run, model: torch.nn.Module) -> Sharded | None:
+    """`model` sharded in place where cfg.fsdp asks for it, or None (DDP)."""
+    return Sharded(run, model) if run.cfg.fsdp != "none" else None
 
 
 def training_state(model: torch.nn.Module, optimizer) -> dict:
@@ -148,6 +176,17 @@ def load_sharded(model: torch.nn.Module, optimizer, folder: Path) -> None:
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
+def load_training_state(model: torch.nn.Module, optimizer, folder: Path, state: dict) -> None:
+    """A checkpoint's optimizer state (and a sharded checkpoint's model): resharded from a sharded
+    one, sharded from a whole one, or DDP's own."""
+    if (folder / DCP_DIR).is_dir():
+        load_sharded(model, optimizer, folder)
+    elif isinstance(model, FSDPModule):
+        load_whole_optimizer(model, optimizer, state["optimizer"])
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+
+
 def load_whole_optimizer(model: FSDPModule, optimizer, state: dict) -> None:
     """An unsharded run's optimizer state (torch's own, numbered in parameter order) into the
     optimizer of the sharded model, which has the same parameters in the same order."""
@@ -165,3 +204,37 @@ def whole_model_state(model: torch.nn.Module) -> dict:
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
     return {name: value for name, value in state.items() if name not in tied}
+
+
+@dataclass
+class PendingWrite:
+    """A folder whose files are still being written in the background (an asynchronous checkpoint):
+    `finish()` waits for them on every process, then publishes it. Until then, and if the job dies
+    first, the newest complete checkpoint stays the one before."""
+
+    cfg: TrainConfig
+    env: DistEnv
+    tmp: Path
+    final: Path
+    state: dict
+    written: Future
+
+    def finish(self) -> Path:
+        try:
+            _attempt(self.env, self.cfg.output_dir, self.final.name, self.written.result)
+            return publish(self.cfg, self.env, self.tmp, self.final, self.state)
+        except JobFailed:
+            if self.env.is_main_process:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+
+
+def write_in_background(cfg: TrainConfig, env: DistEnv, final: Path, write: Callable, state: dict):
+    """checkpoint.write_atomically, where a `write` that returns a Future (its files still being
+    written) gives a PendingWrite, to finish later (Session.save_checkpoint)."""
+    started = []
+
+    def finish(*publishing):  # cfg, env, the written folder, final, state
+        return PendingWrite(*publishing, started[0]) if started[0] else publish(*publishing)
+
+    return write_atomically(cfg, env, final, lambda folder: started.append(write(folder)), state, finish)

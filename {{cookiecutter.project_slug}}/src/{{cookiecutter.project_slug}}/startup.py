@@ -85,9 +85,9 @@ class Run:
                + f"\nspeed: {', '.join(levers)}" + "\n" + sampler.plan.table(cfg.max_seq_len))
 
     def init_distributed(self) -> None:
-        """Join the process group (once; one process joins none, unless it runs DeepSpeed or FSDP2)."""
+        """Join the process group (once; one process joins none, unless it runs DeepSpeed)."""
         init_distributed(self.env, self.cfg.rendezvous_timeout_s, self.cfg.collective_timeout_s,
-                         alone_too=self.launch.backend == "deepspeed" or self.cfg.fsdp != "none")
+                         alone_too=self.launch.backend == "deepspeed")
 
     def state(self, step: int, micro_batch_size: int, ceiling: int, noise: list[float]) -> dict:
         """What a checkpoint (or the finished model) records besides its files: a later job checks

@@ -11,48 +11,43 @@ Each optimizer step consumes one window of `grad_accum_steps` micro-batches per 
 micro-step but the last runs under `no_sync()`, so DDP all-reduces once per optimizer step. Each
 micro-batch's summed loss is divided by the real targets of the whole window on all ranks, so the
 accumulated gradient is exactly the global batch's mean loss gradient (docs/guarantees.md).
-`--fsdp full_shard` (or `hybrid_shard`) shards the model with FSDP2 instead of DDP (sharding.py).
 """
 
 import math
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_model, save_model
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from . import extras
 from .checkpoint import load_rng, save_rng
 from .cli import run_cli
 from .config import TrainConfig
 from .distributed import GradSyncCounter, wrap_ddp
 from .evaluation import evaluate
 from .model import autocast_for, build_model, summed_loss
-from .optim import build_optimizer, build_scheduler
+from .optim import build_optimizer, build_scheduler, clip_gradients
 from .session import Session
-from .sharding import (
-    DCP_DIR,
-    CollectiveCounter,
-    clip_gradients,
-    gradient_sync,
-    load_sharded,
-    load_whole_optimizer,
-    save_sharded,
-    shard,
-    whole_model_state,
-)
 from .speed import COMPILE
 from .startup import start
 from .windows import Window, finite
+
+# The fsdp extra: the model sharded in DDP's stead where its config asks for it (else None), and a
+# checkpoint's optimizer state whatever the sharding it was written with (else DDP's own)
+shard = extras.plug("fsdp", "sharding:sharded", default=lambda run, model: None)
+load_training_state = extras.plug(
+    "fsdp", "sharding:load_training_state",
+    default=lambda model, optimizer, folder, state: optimizer.load_state_dict(state["optimizer"]))
 
 
 def train_step(ddp_model, forward, window: Window, optimizer, lr_scheduler, scaler, session: Session,
                autocast) -> dict | None:
     """One optimizer step over this rank's micro-batches of the window; `forward` is ddp_model, or
-    its torch.compile'd self (the same module, so no_sync() on ddp_model holds for it). Under FSDP2
-    ddp_model is the sharded model itself, and gradient_sync sets its sync for the micro-step.
+    its torch.compile'd self (the same module, so no_sync() on ddp_model holds for it). A sharded
+    model (an extra's) is its own ddp_model, with a no_sync() of its own.
 
     The textbook loop over k micro-batches (k = grad_accum_steps, fewer in an epoch's short last
     window) whose boundary test `(index + 1) % k == 0` is `is_last` here: the only micro-step that
@@ -63,18 +58,19 @@ def train_step(ddp_model, forward, window: Window, optimizer, lr_scheduler, scal
     model = ddp_model.module if isinstance(ddp_model, DDP) else ddp_model
     num_targets = session.targets(window)  # real targets, all ranks (counted on the host)
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+    skip_sync = cfg.ddp_no_sync and hasattr(ddp_model, "no_sync")  # one process has nothing to sync
     for micro_step, micro_batch in enumerate(window.micro_batches):
         is_last = micro_step == len(window.micro_batches) - 1
         if is_last and not session.window_fits():  # micro_batch_size auto: out of memory on some rank
             optimizer.zero_grad(set_to_none=True)  # every rank drops the window; it comes again, smaller
             return None
-        with session.micro_step(is_last), gradient_sync(ddp_model, is_last, cfg.ddp_no_sync, cfg.fsdp_grad_sync):
+        with session.micro_step(is_last), (ddp_model.no_sync() if skip_sync and not is_last else nullcontext()):
             batch = {k: v.to(env.device, non_blocking=True) for k, v in micro_batch.items()}
             labels = batch.pop("labels")
             with autocast():
                 logits = forward(**batch).logits
             loss = summed_loss(logits, labels, cfg.task)
-            # DDP (and FSDP2) averages over ranks, hence x world_size: the sum over the window and the ranks
+            # DDP (and a sharded model) averages over ranks, hence x world_size: the sum over the window and the ranks
             # is then the gradient of the global batch's mean loss.
             scaler.scale(loss * (env.world_size / num_targets)).backward()
             loss_sum += loss.detach().double()
@@ -103,58 +99,42 @@ def train_step(ddp_model, forward, window: Window, optimizer, lr_scheduler, scal
 
 def train(cfg: TrainConfig) -> None:
     run = start(cfg, entry="pytorch")  # every up-front check
-    env, sharded = run.env, cfg.fsdp != "none"
+    env = run.env
     model = build_model(cfg, run.model_config).to(env.device)
-    resume_dcp = run.resume is not None and (run.resume / DCP_DIR).is_dir()
-    if run.resume is not None and not resume_dcp:  # whole weights, loaded before any sharding
+    if run.resume is not None and (run.resume / "model.safetensors").is_file():  # whole weights, before any sharding
         load_model(model, str(run.resume / "model.safetensors"), device=str(env.device))
-    if sharded:
-        run.init_distributed()
-        model = shard(model, cfg, env)
+    sharded = shard(run, model)  # None: DDP's, below; else `model` is sharded in place
     optimizer = build_optimizer(model, cfg, env.device)
     lr_scheduler = build_scheduler(optimizer, cfg, run.total_steps, run.plan)
-    scaler = (ShardedGradScaler if sharded else torch.amp.GradScaler)(
+    scaler = (sharded.GradScaler if sharded else torch.amp.GradScaler)(
         env.device.type, init_scale=cfg.fp16_init_scale, enabled=cfg.mixed_precision == "fp16")
     if run.resume is not None:
         state = torch.load(run.resume / "training_state.pt", map_location=env.device, weights_only=True)
-        if resume_dcp:  # resharded to this run's processes, or gathered whole
-            load_sharded(model, optimizer, run.resume)
-        elif sharded:
-            load_whole_optimizer(model, optimizer, state["optimizer"])
-        else:
-            optimizer.load_state_dict(state["optimizer"])
+        load_training_state(model, optimizer, run.resume, state)
         lr_scheduler.load_state_dict(state["lr_scheduler"])
         scaler.load_state_dict(state["scaler"])
         load_rng(run.resume, env.rank)
 
     run.init_distributed()
-    ddp_model, sync_counter = model, None
-    if sharded:
-        sync_counter = CollectiveCounter(model, hybrid=cfg.fsdp == "hybrid_shard")
-    elif env.world_size > 1:
+    ddp_model, sync_counter = model, sharded.counter if sharded else None
+    if env.world_size > 1 and not sharded:
         ddp_model = wrap_ddp(model, env, cfg.ddp_bucket_cap_mb)
         sync_counter = GradSyncCounter(ddp_model)
     # compiled around DDP, so that dynamo splits the graph at DDP's buckets (its DDPOptimizer);
-    # under FSDP2 each layer is compiled on its own (shard)
+    # a sharded model's layers are compiled on their own
     forward = torch.compile(ddp_model, **COMPILE) if cfg.compile and not sharded else ddp_model
     autocast = partial(autocast_for, cfg, env.device)
     session = Session(run, model, sync_counter=sync_counter)
     train_loader, eval_loader = session.loaders()
 
-    background = dist.new_group(backend="gloo") if cfg.async_checkpoint else None  # the writer's own group
-
     def write_checkpoint(folder: Path):
         save_rng(folder, env.rank)
-        written = None
-        if sharded:  # each rank writes its shards (in the background: a Future, published later)
-            written = save_sharded(model, optimizer, folder, background)
-        elif env.is_main_process:
-            save_model(model, str(folder / "model.safetensors"))
+        training = {"lr_scheduler": lr_scheduler.state_dict(), "scaler": scaler.state_dict()}
+        if sharded:  # each rank its shards (maybe in the background: their Future)
+            return sharded.save(optimizer, folder, training)
         if env.is_main_process:
-            torch.save({**({} if sharded else {"optimizer": optimizer.state_dict()}),
-                        "lr_scheduler": lr_scheduler.state_dict(), "scaler": scaler.state_dict()},
-                       folder / "training_state.pt")
-        return written
+            save_model(model, str(folder / "model.safetensors"))
+            torch.save({"optimizer": optimizer.state_dict(), **training}, folder / "training_state.pt")
 
     model.train()
     for window in session.windows(train_loader):
@@ -170,7 +150,7 @@ def train(cfg: TrainConfig) -> None:
         if stop:
             return session.stopped()
 
-    session.save_model(model, whole_model_state(model) if sharded else None)
+    session.save_model(model, sharded.whole_state() if sharded else None)
     session.done()
 
 
