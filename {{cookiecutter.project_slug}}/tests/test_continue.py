@@ -114,7 +114,7 @@ def test_a_resume_compares_against_the_merged_config(stopped, tmp_path):
 
 BAKED_KEYS = {f.name for f in fields(TrainConfig)}  # the core's keys and the baked extras'
 CHANGED = {"global_batch_size": 32, "seed": 7, "task": "sequence_classification", "model_name_or_path": "gpt2",
-           "max_seq_len": 32, "optimizer": "sgd", "learning_rate": 0.01,
+           "max_seq_len": 32, "optimizer": "sgd", "learning_rate": 0.01, "min_lr_ratio": 0.1,
            "lr_scheduler_type": "cosine", "warmup_steps": 1, "weight_decay": 0.5, "max_grad_norm": 0.5,
            "mixed_precision": "fp16", "packing": "true", "global_batch_size_schedule": "0:16,2:32",
            "lr_batch_scaling": "sqrt"}
