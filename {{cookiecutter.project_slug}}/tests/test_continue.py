@@ -147,8 +147,8 @@ def test_the_dataset_is_compared_by_its_content_not_its_path(stopped, tmp_path):
         check_same_data(state, staged, "0" * 64, state["num_train_examples"], checkpoint)
     assert str(err.value) == (f"{checkpoint} was trained on other data than dataset {tmp_path / 'staged'} holds now "
                               f"(data_fingerprint {state['data_fingerprint']}, now {'0' * 64}): a run continues only "
-                              "on the same training examples (the files may move); restore them, or start a new run "
-                              "in another --output_dir")
+                              "on the same training examples (the files may move) and labelling rule "
+                              "(data.labels_for); restore them, or start a new run in another --output_dir")
     with pytest.raises(ConfigError, match=f"^{checkpoint} was trained on {state['num_train_examples']} training "
                                           f"examples, dataset {tmp_path / 'staged'} now has 3; "):
         check_same_data(state, staged, state["data_fingerprint"], 3, checkpoint)

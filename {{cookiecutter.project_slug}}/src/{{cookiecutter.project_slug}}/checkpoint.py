@@ -153,8 +153,8 @@ def check_same_data(state: dict, cfg: TrainConfig, fingerprint: str, examples: i
     if state.get("data_fingerprint", fingerprint) != fingerprint:
         raise ConfigError(f"{where} was trained on other data than dataset {cfg.dataset} holds now (data_fingerprint "
                           f"{state['data_fingerprint']}, now {fingerprint}): a run continues only on the same "
-                          "training examples (the files may move); restore them, or start a new run in another "
-                          "--output_dir")
+                          "training examples (the files may move) and labelling rule (data.labels_for); restore them, "
+                          "or start a new run in another --output_dir")
 
 
 def check_same_entry(state: dict, entry: str, backend: str, where: Path) -> None:
