@@ -107,6 +107,8 @@ def test_bad_config_files(tmp_path, text, message):
     (["--learning_rate", "nan"], "learning_rate must be a finite number, got nan"),
     (["--learning-rat", "1"], "unknown flag(s) ['--learning-rat', '1']"),  # no abbreviations
     (["--max_nonfinite_steps", "0"], "max_nonfinite_steps must be >= 1, got 0"),
+    (["--min_lr_ratio", "1.5"], "min_lr_ratio must be in [0, 1], got 1.5"),
+    (["--min_lr_ratio", "-0.1"], "min_lr_ratio must be in [0, 1], got -0.1"),
     (["--output_dir", ""], "output_dir is empty; name the folder the run writes"),
     (["--output_dir", "  "], "output_dir is empty; name the folder the run writes"),
 ])

@@ -114,7 +114,7 @@ def test_a_resume_compares_against_the_merged_config(stopped, tmp_path):
 
 BAKED_KEYS = {f.name for f in fields(TrainConfig)}  # the core's keys and the baked extras'
 CHANGED = {"global_batch_size": 32, "seed": 7, "task": "sequence_classification", "model_name_or_path": "gpt2",
-           "max_seq_len": 32, "optimizer": "sgd", "learning_rate": 0.01,
+           "max_seq_len": 32, "optimizer": "sgd", "learning_rate": 0.01, "min_lr_ratio": 0.1,
            "lr_scheduler_type": "cosine", "warmup_steps": 1, "weight_decay": 0.5, "max_grad_norm": 0.5,
            "mixed_precision": "fp16", "packing": "true", "global_batch_size_schedule": "0:16,2:32",
            "lr_batch_scaling": "sqrt"}
@@ -147,8 +147,8 @@ def test_the_dataset_is_compared_by_its_content_not_its_path(stopped, tmp_path):
         check_same_data(state, staged, "0" * 64, state["num_train_examples"], checkpoint)
     assert str(err.value) == (f"{checkpoint} was trained on other data than dataset {tmp_path / 'staged'} holds now "
                               f"(data_fingerprint {state['data_fingerprint']}, now {'0' * 64}): a run continues only "
-                              "on the same training examples (the files may move); restore them, or start a new run "
-                              "in another --output_dir")
+                              "on the same training examples (the files may move) and labelling rule "
+                              "(data.labels_for); restore them, or start a new run in another --output_dir")
     with pytest.raises(ConfigError, match=f"^{checkpoint} was trained on {state['num_train_examples']} training "
                                           f"examples, dataset {tmp_path / 'staged'} now has 3; "):
         check_same_data(state, staged, state["data_fingerprint"], 3, checkpoint)

@@ -19,11 +19,13 @@ import pytest
 import torch
 from datasets import Dataset, concatenate_datasets
 
+from {{ cookiecutter.project_slug }} import data as data_module
+from {{ cookiecutter.project_slug }} import data_cache as data_cache_module
 from {{ cookiecutter.project_slug }} import prepare as prepare_module
 from {{ cookiecutter.project_slug }} import sources as sources_module
 from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
-from {{ cookiecutter.project_slug }}.data import IGNORE_INDEX, Collator, eval_dataloader
+from {{ cookiecutter.project_slug }}.data import IGNORE_INDEX, TARGETS, Collator, eval_dataloader
 from {{ cookiecutter.project_slug }}.data_cache import STALE_S, cache_folder
 from {{ cookiecutter.project_slug }}.model import build_model, count_targets, load_tokenizer, model_config, summed_loss
 from {{ cookiecutter.project_slug }}.prepare import pack, prepare
@@ -380,6 +382,36 @@ def test_what_changes_the_data_prepares_it_anew(corpus, tmp_path, change):
             f.write('{"text": "one more story"}\n')
     second = prepare_in(corpus, tmp_path / "cache", *flags)
     assert second.folder != first and (first / "prepared.json").is_file()
+
+
+def prompt_mask(example: dict, task: str) -> torch.Tensor:
+    """data.labels_for with a prompt mask of each example's first 3 tokens, as docs/extending.md shows."""
+    labels = torch.tensor(example["input_ids"], dtype=torch.long)
+    labels[:3] = IGNORE_INDEX
+    return labels
+
+
+def test_an_edit_to_the_preparing_code_prepares_anew(corpus, tmp_path, monkeypatch):
+    """The preparing modules' source is part of the cache key (a comment added to prepare.py: a new
+    folder, the same content), and so is the labelling rule, whose targets the Collator and the
+    prepared counts then agree on, with a new data_fingerprint (a resume on it is refused)."""
+    first = prepare_in(corpus, tmp_path / "cache")
+    edited = tmp_path / "prepare.py"
+    edited.write_text(Path(prepare_module.__file__).read_text() + "# an edit\n")
+    monkeypatch.setattr(prepare_module, "__file__", str(edited))
+    second = prepare_in(corpus, tmp_path / "cache")
+    assert second.folder != first.folder and second.fingerprint == first.fingerprint
+    monkeypatch.undo()
+    for module in (data_module, data_cache_module, prepare_module):
+        monkeypatch.setattr(module, "labels_for", prompt_mask)
+    masked = prepare_in(corpus, tmp_path / "cache")
+    assert masked.folder not in (first.folder, second.folder) and masked.fingerprint != first.fingerprint
+    train = masked.data["train"]
+    lengths = [len(ids) for ids in train["input_ids"]]
+    assert first.data["train"][TARGETS] == [max(n - 1, 0) for n in lengths]
+    assert train[TARGETS] == [max(n - 3, 0) for n in lengths]
+    batch = Collator(load_tokenizer(load_config(["--config", CONFIG])), "causal_lm")([train[i] for i in range(6)])
+    assert count_targets(batch["labels"], "causal_lm") == sum(train[TARGETS][:6])
 
 
 def test_a_lock_left_by_a_dead_preparer_is_taken_over(corpus, tmp_path):

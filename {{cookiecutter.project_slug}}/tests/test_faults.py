@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from {{ cookiecutter.project_slug }}.checkpoint import STATE_FILE
-from {{ cookiecutter.project_slug }}.errors import JobFailed
+from {{ cookiecutter.project_slug }}.errors import JobFailed, disk_full
 from {{ cookiecutter.project_slug }}.tracking import append_line
 
 from conftest import (
@@ -168,6 +168,52 @@ def test_a_finished_model_that_output_dir_has_no_room_for_is_kept_elsewhere(tmp_
                                                   f"on device); {lost}")):  # no room there either
         write_final(cfg, env, full_under(out, kept.parent), {"step": 4})
     assert not kept.exists() and not kept.with_name(f".tmp_{kept.name}").exists()
+
+
+@pytest.mark.parametrize("error", [AttributeError("'Net' object has no attribute 'save_pretrained'"),
+                                   PermissionError(errno.EACCES, os.strerror(errno.EACCES), "model.safetensors")])
+def test_a_write_that_fails_for_another_reason_than_a_full_disk_names_the_exception_and_the_file(tmp_path, error):
+    from {{ cookiecutter.project_slug }}.checkpoint import checkpoints_dir, write_atomically, write_final
+    from {{ cookiecutter.project_slug }}.config import load_config
+    from {{ cookiecutter.project_slug }}.distributed import dist_env
+
+    out = tmp_path / "out"
+    cfg, env = load_config(["--output_dir", str(out)]), dist_env()
+
+    def write(folder: Path) -> None:
+        raise error
+
+    reason = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    for name, written in (("step_2", lambda: write_atomically(cfg, env, checkpoints_dir(str(out)) / "step_2", write,
+                                                               {"step": 2})),
+                          ("final_model", lambda: write_final(cfg, env, write, {"step": 2}))):
+        with pytest.raises(JobFailed) as failed:
+            written()
+        assert str(failed.value) == (f"could not write {name} ({reason}); no checkpoint was completed before: fix "
+                                     "what the error names and start the run again")
+    assert sorted(p.name for p in out.rglob("*")) == ["checkpoints"]  # nothing half written is left
+
+
+def test_a_full_disk_is_told_by_its_errno_wherever_a_library_wrapped_it():
+    wrapped = RuntimeError("the serialiser's own error")
+    wrapped.__cause__ = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    rust = Exception('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on '
+                     'device" })')
+    assert [disk_full(err).errno for err in (wrapped, rust)] == [errno.EDQUOT, errno.ENOSPC]
+    assert disk_full(PermissionError(errno.EACCES, os.strerror(errno.EACCES))) is None
+    assert disk_full(AttributeError("'Net' object has no attribute 'save_pretrained'")) is None
+
+
+def test_a_metrics_write_that_fails_for_another_reason_than_a_full_disk_names_it(tmp_path, monkeypatch):
+    def broken(fd, data):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "write", broken)
+    with pytest.raises(JobFailed) as err:
+        append_line(tmp_path / "metrics.jsonl", "{}")
+    monkeypatch.undo()
+    assert str(err.value) == (f"could not write {tmp_path / 'metrics.jsonl'} (Input/output error); no checkpoint was "
+                              "completed before: fix what the error names and start the run again")
 
 
 @pytest.mark.slow

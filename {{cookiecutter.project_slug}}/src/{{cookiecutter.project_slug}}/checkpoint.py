@@ -26,7 +26,7 @@ import torch
 from . import extras
 from .config import TrainConfig, keys_where
 from .distributed import DistEnv, barrier, print0, ranks_with
-from .errors import ConfigError, JobFailed, first_line
+from .errors import ConfigError, JobFailed, disk_full, first_line
 
 STATE_FILE = "state.json"
 FINAL_DIR = "final_model"
@@ -71,10 +71,12 @@ def newest_checkpoint(output_dir: str) -> str:
     return f"the newest complete checkpoint is {found[-1]}" if found else "no checkpoint was completed before"
 
 
-def after_a_failed_write(output_dir: str) -> str:
-    """What a job that a failed write (a full disk) stopped says to do next."""
+def after_a_failed_write(output_dir: str, err: BaseException | None) -> str:
+    """What a job that a failed write stopped says to do next: free space only where the disk is
+    full (errors.disk_full); `err` None where another process failed (its own line says why)."""
     then = "resume it with --resume_from_checkpoint auto" if complete_checkpoints(output_dir) else "start the run again"
-    return f"{newest_checkpoint(output_dir)}: free space and {then}"
+    fix = "free space" if disk_full(err) else "fix what the error names" if err else "see the other process's error"
+    return f"{newest_checkpoint(output_dir)}: {fix} and {then}"
 
 
 def library_versions() -> dict[str, str]:
@@ -233,8 +235,8 @@ def check_same_data(state: dict, cfg: TrainConfig, fingerprint: str, examples: i
     if state.get("data_fingerprint", fingerprint) != fingerprint:
         raise ConfigError(f"{where} was trained on other data than dataset {cfg.dataset} holds now (data_fingerprint "
                           f"{state['data_fingerprint']}, now {fingerprint}): a run continues only on the same "
-                          "training examples (the files may move); restore them, or start a new run in another "
-                          "--output_dir")
+                          "training examples (the files may move) and labelling rule (data.labels_for); restore them, "
+                          "or start a new run in another --output_dir")
 
 
 def check_same_entry(state: dict, entry: str, backend: str, where: Path) -> None:
@@ -331,10 +333,11 @@ def load_rng(path: Path, rank: int) -> None:
 
 
 class WriteFailed(JobFailed):
-    """A folder that some process could not write (a full disk), and why: every process raises it together."""
+    """A folder that some process could not write, and why (`err`, None on the processes that wrote
+    theirs): every process raises it together."""
 
-    def __init__(self, what: str, reason: str, output_dir: str):
-        super().__init__(f"could not write {what} ({reason}); {after_a_failed_write(output_dir)}", agreed=True)
+    def __init__(self, what: str, reason: str, output_dir: str, err: BaseException | None):
+        super().__init__(f"could not write {what} ({reason}); {after_a_failed_write(output_dir, err)}", agreed=True)
         self.reason = reason
 
 
@@ -344,12 +347,12 @@ def _attempt(env: DistEnv, output_dir: str, what: str, action: Callable[[], None
     error = None
     try:
         action()
-    except Exception as err:  # a full disk is an OSError, or the serialiser's own error around one
+    except Exception as err:  # a full disk (an OSError, or the serialiser's error around one), or any other
         error = err
     failed = ranks_with(error is not None, env.device)
     if failed:
         reason = f"{type(error).__name__}: {first_line(error)}" if error else f"{failed} other process(es) failed"
-        raise WriteFailed(what, reason, output_dir)
+        raise WriteFailed(what, reason, output_dir, error)
 
 
 def write_atomically(cfg: TrainConfig, env: DistEnv, final: Path, write: Callable[[Path], object],

@@ -88,6 +88,8 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
     lr_scheduler_type: Literal["linear", "cosine", "constant"] = key(
         "Schedule after warmup (constant still warms up).", "linear", resume="match", data=False)
     warmup_steps: int = key("Optimizer steps of linear warmup from 0.", 5, resume="match", data=False)
+    min_lr_ratio: float = key("Linear and cosine decay end at min_lr_ratio x learning_rate, never below it.",
+                              0.0, resume="match", data=False)
     weight_decay: float = key("Decoupled weight decay on matrices (not biases or norms).", 0.01,
                               resume="match", data=False)
     max_grad_norm: float = key("Clip the global gradient norm to this; 0 disables clipping.", 1.0,
@@ -179,6 +181,8 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
             raise ConfigError(f"max_steps must be -1 (train num_epochs) or >= 1, got {self.max_steps}")
         if not self.learning_rate > 0:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.dataloader_workers < -1:
             raise ConfigError(f"dataloader_workers must be -1 (auto) or >= 0, got {self.dataloader_workers}")
         if self.packing and self.task != "causal_lm":

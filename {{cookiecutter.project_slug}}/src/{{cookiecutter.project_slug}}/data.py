@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 IGNORE_INDEX = -100
+TARGETS = "targets"  # the prepared training column of each example's targets (example_sizes)
 
 
 class _Marked(Dataset):
@@ -32,10 +33,21 @@ class _Marked(Dataset):
                 for row, (_, real) in enumerate(keys)]
 
 
+def labels_for(example: dict, task: str) -> torch.Tensor:
+    """THE labelling rule: one example's labels, what its loss counts (-100: not counted). The
+    Collator labels every micro-batch with it and preparation counts each example's targets with it
+    (each step's divisor), so change what the loss counts here and only here; its source is part of
+    the data cache's key and of data_fingerprint (a resume after a change is refused). causal_lm:
+    the tokens themselves (summed_loss shifts them: token t is position t-1's target); a prompt mask
+    is `labels[:k] = IGNORE_INDEX` on this copy. Classification: the example's label."""
+    if task != "causal_lm":
+        return torch.tensor(example["label"])
+    return torch.tensor(example["input_ids"], dtype=torch.long)
+
+
 class Collator:
-    """Pads input_ids on the right with the pad token. Labels: for causal_lm the input_ids
-    themselves (summed_loss shifts them), -100 on padding; for classification each example's label.
-    A filler example's labels are all -100.
+    """Pads input_ids on the right with the pad token. Labels: each example's (labels_for), -100 on
+    padding; a filler example's are all -100.
 
     attention_mask (1 on the real tokens) only for classification, where the model may attend both
     ways. A causal LM gets none: causal attention never lets a real token see the padding on its
@@ -56,10 +68,12 @@ class Collator:
             attention_mask[row, :len(f["input_ids"])] = 1
         filler = ~torch.tensor([f.get("real", True) for f in features])
         if self.task == "causal_lm":
-            labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+            labels = torch.full_like(input_ids, IGNORE_INDEX)
+            for row, f in enumerate(features):
+                labels[row, :len(f["input_ids"])] = labels_for(f, self.task)
             labels[filler] = IGNORE_INDEX
             return {"input_ids": input_ids, "labels": labels}
-        labels = torch.tensor([f["label"] for f in features], dtype=torch.long)
+        labels = torch.stack([labels_for(f, self.task) for f in features]).long()
         labels[filler] = IGNORE_INDEX
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
@@ -95,11 +109,8 @@ def eval_dataloader(eval_set, rank: int, world_size: int, batch_size: int,
     return DataLoader(_Marked(eval_set), batch_sampler=batches, collate_fn=collator, **loading_kwargs)
 
 
-def example_sizes(dataset, task: str) -> tuple[np.ndarray, np.ndarray]:
-    """Each example's tokens (a packed block: max_seq_len) and real targets (what count_targets
-    finds in its collated labels: each next token, or its one label), from the prepared data's list
-    offsets: no pass over the tokens."""
+def example_sizes(dataset) -> tuple[np.ndarray, np.ndarray]:
+    """Each example's tokens (a packed block: max_seq_len) and targets (its labels_for counted as the
+    loss counts them, once, when it was prepared), from the prepared columns: no pass over the tokens."""
     lengths = pc.list_value_length(dataset.data.column("input_ids")).to_numpy()
-    if task == "causal_lm":
-        return lengths, np.maximum(lengths.astype(np.int64) - 1, 0)
-    return lengths, np.ones(len(lengths), dtype=np.int64)
+    return lengths, dataset.data.column(TARGETS).to_numpy()

@@ -6,6 +6,8 @@ fingerprint, and a lock file so that one process per filesystem prepares it whil
 
 import contextlib
 import hashlib
+import importlib
+import inspect
 import json
 import os
 import socket
@@ -19,12 +21,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .config import TrainConfig, keys_where
+from .data import labels_for
 from .errors import ConfigError
 from .output_lock import process_started, running_here
 
-CACHE_FORMAT = 2  # bump when what preparation writes changes: older caches are then not used
+CACHE_FORMAT = 3  # bump when what preparation writes changes: older caches are then not used
 META_FILE = "prepared.json"
 HEARTBEAT_S, STALE_S = 5.0, 60.0
+PREPARING = ("prepare", "sources")  # the modules whose code prepares the data (with data.labels_for)
 BLOCK = 1 << 20  # checksummed piece of a prepared file
 CHECKED_BLOCKS = 64  # a warm start checks every piece of a file up to this many, else this many spread over it
 
@@ -41,10 +45,18 @@ def source_fingerprint(source) -> list:
     return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_ctime_ns) for p in files]
 
 
+def code_fingerprint() -> str:
+    """The code that prepares the data, by its source (as `datasets` fingerprints a map function):
+    an edit to how text is read, tokenised, packed or labelled prepares the data again."""
+    modules = [importlib.import_module(f"{__package__}.{name}") for name in PREPARING]
+    return hashlib.sha256("".join(map(inspect.getsource, [*modules, labels_for])).encode()).hexdigest()[:16]
+
+
 def content_fingerprint(split) -> str:
-    """A hash of a prepared split's examples (their tokens, and labels), not of where they came from:
-    the same corpus staged to another folder, or tokenised by other processes, hashes alike."""
-    digest = hashlib.sha256()
+    """A hash of a prepared split's examples (their tokens, labels and targets) and of the labelling
+    rule (data.labels_for, by its source), not of where they came from: the same corpus staged to
+    another folder, or tokenised by other processes, hashes alike."""
+    digest = hashlib.sha256(inspect.getsource(labels_for).encode())
     for name in sorted(split.column_names):
         lengths, values = hashlib.sha256(), hashlib.sha256()
         for chunk in split.data.column(name).chunks:
@@ -108,10 +120,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def cache_folder(cfg: TrainConfig, source, tokenizer) -> Path:
     """The prepared data's folder in data_cache_dir: its name holds a hash of everything that
     changes it (every key declared data=True in config.py, the source files and the tokenizer by
-    their content), so a sweep over one corpus shares it whatever the output_dir, and a changed file
-    or setting prepares anew."""
+    their content, the preparing code by its source), so a sweep over one corpus shares it whatever
+    the output_dir, and a changed file, setting or preparing code prepares anew."""
     values = {name: getattr(cfg, name) for name in keys_where(data=True)}
-    values.update(dataset=source_fingerprint(source), model_name_or_path=tokenizer_fingerprint(tokenizer))
+    values.update(dataset=source_fingerprint(source), model_name_or_path=tokenizer_fingerprint(tokenizer),
+                  code=code_fingerprint())
     key = json.dumps([CACHE_FORMAT, values], sort_keys=True)
     name = Path(source.name).name
     return Path(cfg.data_cache_dir) / f"{cfg.task}-{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"

@@ -2,6 +2,7 @@
 
 import contextlib
 import errno
+import os
 import signal
 
 
@@ -27,13 +28,20 @@ class RunFinished(Exception):
     and no file changed (what makes a SLURM requeue loop safe)."""
 
 
-def disk_full(err: BaseException) -> OSError | None:
-    """The full disk (or quota) behind `err`, wherever a library wrapped it; None if there is none."""
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no room: a full disk, a quota, a file size limit
+
+
+def disk_full(err: BaseException | None) -> OSError | None:
+    """The full disk (or quota, or a file size limit) behind `err`, wherever a library wrapped it;
+    None if there is none: only then does a failed write say to free space."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(err, OSError) and err.errno in FULL:
             return err
+        for code in FULL:  # a library's own error that says it in words (safetensors' Rust, torch's writer)
+            if os.strerror(code) in str(err):
+                return OSError(code, os.strerror(code))
         err = err.__cause__ or err.__context__
     return None
 

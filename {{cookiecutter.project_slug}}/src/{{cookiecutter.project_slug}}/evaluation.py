@@ -36,9 +36,22 @@ def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_labels: int) -> 
     return np.bincount(index, minlength=num_labels**2).reshape(num_labels, num_labels)
 
 
+def eval_metrics(loss_sum: float, targets: float, confusion: np.ndarray | None) -> dict[str, float]:
+    """THE evaluation metrics of every entry point (the Trainer's compute_metrics calls it too), from
+    sums over the whole validation set: the summed loss, the real targets and, for classification,
+    the confusion matrix (None for causal_lm). A metric added here is in every eval record."""
+    loss = loss_sum / max(targets, 1.0)
+    metrics = {"eval_loss": loss}
+    if confusion is None:
+        metrics["eval_perplexity"] = math.exp(min(loss, 50.0))
+    else:
+        metrics.update(classification_metrics(confusion))
+    return metrics
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, task: str, device: torch.device, autocast) -> dict:
-    """eval_loss (mean over real targets), plus eval_perplexity or eval_accuracy/eval_f1."""
+    """eval_metrics of the validation set, every rank evaluating its shard."""
     was_training = model.training
     model.eval()
     num_labels = getattr(model.config, "num_labels", 0)
@@ -57,7 +70,5 @@ def evaluate(model: torch.nn.Module, loader, task: str, device: torch.device, au
     all_reduce_sum(totals)
     all_reduce_sum(confusion)
     model.train(was_training)
-    loss = (totals[0] / totals[1].clamp(min=1)).item()
-    if task == "causal_lm":
-        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
-    return {"eval_loss": loss, **classification_metrics(confusion.view(num_labels, num_labels).cpu().numpy())}
+    classes = None if task == "causal_lm" else confusion.view(num_labels, num_labels).cpu().numpy()
+    return eval_metrics(*totals.tolist(), classes)

@@ -56,11 +56,15 @@ def total_steps(cfg: TrainConfig, sampler) -> int:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps: int, plan: BatchPlan):
-    """The lr schedule over `steps` optimizer steps; with lr_batch_scaling, each step's lr also
-    scaled with its global batch (the schedule counts the steps it applied: a skipped step, which
-    leaves it where it is, is not counted)."""
+    """The lr schedule over `steps` optimizer steps, linear and cosine decaying to min_lr_ratio x
+    learning_rate; with lr_batch_scaling, each step's lr also scaled with its global batch (the
+    schedule counts the steps it applied: a skipped step, which leaves it where it is, is not counted)."""
     scheduler = get_scheduler(SCHEDULES[cfg.lr_scheduler_type], optimizer,
                               num_warmup_steps=cfg.warmup_steps, num_training_steps=steps)
+    if cfg.lr_scheduler_type != "constant" and cfg.min_lr_ratio:  # after warmup, decay from 1 to the floor
+        floor, warmup = cfg.min_lr_ratio, cfg.warmup_steps
+        scheduler.lr_lambdas = [lambda step, f=f: f(step) if step < warmup else floor + (1 - floor) * f(step)
+                                for f in scheduler.lr_lambdas]
     factor = lr_batch_factor(cfg.lr_batch_scaling, plan)
     if factor is not None:  # LambdaLR's own hook; 1 at step 0, so the first lr is unchanged
         scheduler.lr_lambdas = [lambda step, f=f: f(step) * factor(step) for f in scheduler.lr_lambdas]

@@ -19,8 +19,10 @@ import pyarrow as pa
 from datasets import Dataset, DatasetDict, load_from_disk
 
 from .config import TrainConfig
+from .data import TARGETS, labels_for
 from .data_cache import HEARTBEAT_S, META_FILE, PreparationLock, cache_folder, checksums, content_fingerprint, damage
 from .errors import ConfigError, disk_full, interruptible
+from .model import count_targets
 from .sources import Source, check_source, find_source, join, quiet_datasets, read_raw, validate
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -109,6 +111,13 @@ def pack(documents, eos_id: int, block: int, path: Path):
     return Dataset.from_file(str(path))
 
 
+def with_targets(train: Dataset, task: str) -> Dataset:
+    """The training examples with each one's targets (TARGETS): its labels (labels_for)
+    counted as the loss counts a batch's, once here, so each step's divisor is read, not computed."""
+    counts = [count_targets(labels_for(example, task)[None], task) for example in train]
+    return train.add_column(TARGETS, np.asarray(counts, dtype=np.int64))
+
+
 def work_folder(folder: Path, preparer: dict) -> Path:
     """Where `preparer` (host, pid) writes `folder` before renaming it."""
     return folder.with_name(f".tmp-{folder.name}-{preparer.get('host')}-{preparer.get('pid')}")
@@ -141,6 +150,7 @@ def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> 
         if cfg.packing:
             data = DatasetDict({split: pack(ds, tokenizer.eos_token_id, cfg.max_seq_len, work / f"{split}_packed.arrow")
                                 for split, ds in data.items()})
+        data["train"] = with_targets(data["train"], cfg.task)
         with quiet_datasets():
             data.save_to_disk(str(work / "prepared"))
         meta = {"num_labels": num_labels, "examples": {split: len(ds) for split, ds in data.items()},

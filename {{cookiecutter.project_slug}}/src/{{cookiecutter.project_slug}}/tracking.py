@@ -176,7 +176,7 @@ def append_line(path: Path, line: str) -> None:
         with contextlib.suppress(OSError):
             os.ftruncate(fd, start)
         raise JobFailed(f"could not write {path} ({err.strerror or type(err).__name__}); "
-                        f"{after_a_failed_write(str(path.parent))}") from None
+                        f"{after_a_failed_write(str(path.parent), err)}") from None
     finally:
         os.close(fd)
 

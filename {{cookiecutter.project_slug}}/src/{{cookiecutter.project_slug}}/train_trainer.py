@@ -113,7 +113,7 @@ def train(cfg: TrainConfig) -> None:
     trainer.add_callback(recorder)
     try:
         trainer.train(resume_from_checkpoint=str(run.resume) if run.resume else None)
-    except Exception as err:  # the Trainer writes its checkpoints itself: a full disk ends here
+    except Exception as err:  # the Trainer writes its checkpoints itself: a failed write ends here
         if not any(frame.name == "_save_checkpoint" for frame in traceback.extract_tb(err.__traceback__)):
             raise
         raise checkpoint_failed(cfg, session, err) from None
@@ -131,7 +131,7 @@ def checkpoint_failed(cfg: TrainConfig, session: Session, err: Exception) -> Job
         for partial_write in checkpoints_dir(cfg.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
             shutil.rmtree(partial_write, ignore_errors=True)
     return JobFailed(f"could not write a checkpoint ({type(err).__name__}: {first_line(err)}); "
-                     f"{after_a_failed_write(cfg.output_dir)}")
+                     f"{after_a_failed_write(cfg.output_dir, err)}")
 
 
 def main() -> None:

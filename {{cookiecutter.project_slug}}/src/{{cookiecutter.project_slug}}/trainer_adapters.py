@@ -12,7 +12,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .checkpoint import checkpoints_dir, publish
 from .distributed import sync_counter_for
-from .evaluation import classification_metrics, confusion_matrix
+from .evaluation import confusion_matrix, eval_metrics
 from .model import count_targets, summed_loss
 from .optim import build_optimizer, build_scheduler
 from .windows import finite
@@ -173,14 +173,10 @@ def eval_summaries(logits: torch.Tensor, labels: torch.Tensor, task: str) -> tor
 
 
 def compute_metrics(eval_prediction, task: str, num_labels: int) -> dict:
-    """compute_metrics: the mean loss over real targets (returned as `loss`, which the Trainer then
-    reports as eval_loss in place of its average of batch means), plus perplexity, or accuracy and
-    F1, as evaluation.evaluate computes them."""
+    """compute_metrics: evaluation.eval_metrics of the gathered summaries (the Trainer adds the
+    `eval_` prefix; its `loss` then replaces the Trainer's average of batch means as eval_loss)."""
     summary = np.asarray(eval_prediction.predictions)
-    loss = float(summary[:, 0].sum() / max(summary[:, 1].sum(), 1.0))
-    if task == "causal_lm":
-        return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0)))}
-    labels = np.asarray(eval_prediction.label_ids).astype(np.int64)
-    confusion = confusion_matrix(labels, summary[:, 2].astype(np.int64), num_labels)
-    metrics = classification_metrics(confusion)
-    return {"loss": loss, "accuracy": metrics["eval_accuracy"], "f1": metrics["eval_f1"]}
+    confusion = None if task == "causal_lm" else confusion_matrix(
+        np.asarray(eval_prediction.label_ids).astype(np.int64), summary[:, 2].astype(np.int64), num_labels)
+    metrics = eval_metrics(float(summary[:, 0].sum()), float(summary[:, 1].sum()), confusion)
+    return {name.removeprefix("eval_"): value for name, value in metrics.items()}
