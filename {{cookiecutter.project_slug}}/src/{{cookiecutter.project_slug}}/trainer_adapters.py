@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_model
 from transformers import PrinterCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -33,8 +34,9 @@ class WindowTrainer(Trainer):
     - the Trainer's per-step dict on the console gives way to the project's progress line;
     - `floating_point_ops` (the documented hook) returns 0: the Trainer's own FLOP count walks the
       model's parameters on every micro-step; the project counts FLOPs once (speed.training_flops);
-    - a model_factory model (not a PreTrainedModel) is saved as the other entry points save it
-      (model.save_weights), not as a bare state dict that safetensors refuses for tied weights.
+    - a model_factory model (not a PreTrainedModel) is saved and loaded as the other entry points
+      do it (model.save_weights, safetensors' load_model), not as a bare state dict, which
+      safetensors refuses for tied weights and the Trainer loads without its tied copies.
     """
 
     def __init__(self, *args, session, train_loader, **kwargs):
@@ -53,6 +55,12 @@ class WindowTrainer(Trainer):
         folder.mkdir(parents=True, exist_ok=True)
         save_weights(self.model, folder, cfg, self.session.run.model_config, state_dict)
         self.processing_class.save_pretrained(folder)
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self.session.cfg.model_factory:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_model(model or self.model, str(Path(resume_from_checkpoint) / "model.safetensors"))
         return None
 
     def get_train_dataloader(self):
