@@ -116,13 +116,15 @@ def _as_output(module, args, output):
 
 
 def factory_arguments(cfg: TrainConfig, config) -> dict:
+    """The sizes the factory is called with (with `cfg`), also recorded in FACTORY_FILE."""
     return {"vocab_size": config.vocab_size, "num_labels": None if cfg.task == "causal_lm" else config.num_labels}
 
 
 def build_factory_model(cfg: TrainConfig, vocab_size: int, num_labels: int | None) -> torch.nn.Module:
     """The model_factory's model, checked with one forward of two tokens (in eval mode: no dropout
-    drawn) before any process waits on another; it must return logits of `num_labels` classes, or
-    `vocab_size` for each token."""
+    drawn) before the first collective, every rank finding the same mistake: it must return logits
+    of `num_labels` classes, or `vocab_size` for each token. What an option needs and it lacks is
+    refused here; the forward hook gives the `.logits` every loop reads."""
     torch.manual_seed(cfg.seed)
     model = model_factory(cfg.model_factory)(vocab_size=vocab_size, num_labels=num_labels, cfg=cfg)
     where = f"model_factory {cfg.model_factory!r}"
