@@ -50,6 +50,10 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
     model_name_or_path: str = key(
         "'tiny' builds a small model from a config (no download); else a Hugging Face model name "
         "or local path.", "tiny", resume="match", data=True)
+    model_factory: str = key(
+        "Your own model: 'package.module:function', called with vocab_size, num_labels (None for causal_lm) "
+        "and cfg, returning an nn.Module whose forward(input_ids, attention_mask) gives logits; empty: the "
+        "Hugging Face auto classes (model_name_or_path still names the tokenizer).", "", resume="match", data=False)
     dataset: str = key(
         "'builtin' (the data shipped with this project for the task), a folder holding "
         "train/validation .jsonl/.json/.csv/.parquet files or a save_to_disk() dataset, or a "

@@ -54,9 +54,9 @@ def evaluate(model: torch.nn.Module, loader, task: str, device: torch.device, au
     """eval_metrics of the validation set, every rank evaluating its shard."""
     was_training = model.training
     model.eval()
-    num_labels = getattr(model.config, "num_labels", 0)
+    num_labels = 0  # the classes: the logits' last size
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    confusion = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
+    confusion = torch.zeros(0, dtype=torch.float64, device=device)
     for batch in loader:
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch.pop("labels")
@@ -65,6 +65,9 @@ def evaluate(model: torch.nn.Module, loader, task: str, device: torch.device, au
         totals[0] += summed_loss(logits, labels, task).double()
         totals[1] += count_targets(labels, task)
         if task == "sequence_classification":
+            if not num_labels:  # every rank runs at least one batch (eval_dataloader)
+                num_labels = logits.shape[-1]
+                confusion = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
             cm = confusion_matrix(labels.cpu().numpy(), logits.argmax(-1).cpu().numpy(), num_labels)
             confusion += torch.as_tensor(cm.reshape(-1), dtype=torch.float64, device=device)
     all_reduce_sum(totals)

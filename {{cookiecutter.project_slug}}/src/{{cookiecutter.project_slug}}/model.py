@@ -4,27 +4,34 @@ the tokenizer that ships in assets/ (no download, dropout 0), anything else load
 real targets of the whole global batch, so accumulation is exact however the padding falls.
 """
 
+import importlib
+import json
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_model, save_file, save_model
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     LlamaConfig,
+    PretrainedConfig,
 )
 from transformers.initialization import no_init_weights
 from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.modeling_outputs import CausalLMOutput, SequenceClassifierOutput
 
 from . import ASSETS
 from .config import TrainConfig
 from .data import IGNORE_INDEX
 from .errors import ConfigError, first_line
+from .launch import launch_of
 
 TINY = "tiny"
+FACTORY_FILE = "model_factory.json"  # in final_model/ beside model.safetensors: what rebuilds the model
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -50,8 +57,12 @@ def load_tokenizer(cfg: TrainConfig):
 
 
 def model_config(cfg: TrainConfig, tokenizer, num_labels: int = 2):
-    """The model's config (an up-front check, errors.ConfigError)."""
-    if cfg.model_name_or_path == TINY:
+    """The model's config (an up-front check, errors.ConfigError); a model_factory's names the
+    sizes its factory is called with."""
+    if cfg.model_factory:
+        model_factory(cfg.model_factory)
+        config = PretrainedConfig(vocab_size=len(tokenizer))
+    elif cfg.model_name_or_path == TINY:
         config = LlamaConfig(
             vocab_size=len(tokenizer),
             hidden_size=64,
@@ -81,9 +92,75 @@ def model_config(cfg: TrainConfig, tokenizer, num_labels: int = 2):
     return config
 
 
+def model_factory(spec: str):
+    """The function `package.module:function` names (ConfigError: one line saying what is wrong)."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ConfigError(f"model_factory {spec!r} is not 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # whatever the module raises while it imports
+        raise ConfigError(f"model_factory {spec!r}: cannot import {module_name} "
+                          f"({type(err).__name__}: {first_line(err)})") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ConfigError(f"model_factory {spec!r}: {module_name} has no function {name}")
+    return factory
+
+
+def _as_output(module, args, output):
+    """A forward hook: the factory model's logits (a tensor, or an object with `.logits`) as the
+    ModelOutput the loops, the evaluation and the Trainer read `.logits` from."""
+    logits = getattr(output, "logits", output)
+    return (CausalLMOutput if logits.dim() == 3 else SequenceClassifierOutput)(logits=logits)
+
+
+def factory_arguments(cfg: TrainConfig, config) -> dict:
+    """The sizes the factory is called with (with `cfg`), also recorded in FACTORY_FILE."""
+    return {"vocab_size": config.vocab_size, "num_labels": None if cfg.task == "causal_lm" else config.num_labels}
+
+
+def build_factory_model(cfg: TrainConfig, vocab_size: int, num_labels: int | None) -> torch.nn.Module:
+    """The model_factory's model, checked with one forward of two tokens (in eval mode: no dropout
+    drawn) before the first collective, every rank finding the same mistake: it must return logits
+    of `num_labels` classes, or `vocab_size` for each token. What an option needs and it lacks is
+    refused here; the forward hook gives the `.logits` every loop reads."""
+    torch.manual_seed(cfg.seed)
+    model = model_factory(cfg.model_factory)(vocab_size=vocab_size, num_labels=num_labels, cfg=cfg)
+    where = f"model_factory {cfg.model_factory!r}"
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"{where} returned a {type(model).__name__}, not a torch.nn.Module")
+    model.eval()
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters(), torch.empty(0)).device)
+    try:
+        with torch.no_grad():
+            logits = _as_output(model, (), model(tokens, attention_mask=torch.ones_like(tokens))).logits
+    except Exception as err:
+        raise ConfigError(f"{where}: its forward(input_ids, attention_mask) failed ({type(err).__name__}: "
+                          f"{first_line(err)})") from None
+    want = (1, 2, vocab_size) if num_labels is None else (1, num_labels)
+    if tuple(logits.shape) != want:
+        raise ConfigError(f"{where}: logits of shape {list(logits.shape)} for 1 sequence of 2 tokens, expected "
+                          f"{list(want)} (the last size is {'vocab_size' if num_labels is None else 'num_labels'})")
+    model.train()
+    sharded = getattr(cfg, "fsdp", "none") != "none" or launch_of(cfg, "").fsdp  # train_pytorch's or Accelerate's
+    if sharded and not getattr(model, "_no_split_modules", None):
+        raise ConfigError(f"fsdp: the {where} model has no _no_split_modules (the class names of its layers, each "
+                          "an FSDP unit); add it, or train without FSDP")
+    if cfg.gradient_checkpointing:
+        if not hasattr(model, "gradient_checkpointing_enable"):
+            raise ConfigError(f"gradient_checkpointing: the {where} model has no gradient_checkpointing_enable(); "
+                              "add one or set gradient_checkpointing: false")
+        model.gradient_checkpointing_enable()
+    model.register_forward_hook(_as_output)
+    return model
+
+
 def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
     """The model in fp32 with `attn_implementation` attention, initialised from `cfg.seed` (tiny)
-    or the pretrained weights."""
+    or the pretrained weights; or the model_factory's."""
+    if cfg.model_factory:
+        return build_factory_model(cfg, **factory_arguments(cfg, config))
     auto = AutoModelForCausalLM if cfg.task == "causal_lm" else AutoModelForSequenceClassification
     torch.manual_seed(cfg.seed)
     if cfg.model_name_or_path == TINY:
@@ -102,6 +179,36 @@ def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
         # Non-reentrant checkpointing works with DDP's no_sync and with unused parameters.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    return model
+
+
+def save_weights(model: torch.nn.Module, folder: Path, cfg: TrainConfig, config, state_dict: dict | None = None,
+                 **save_pretrained_kwargs) -> None:
+    """final_model/'s (and the Trainer's checkpoints') weights: save_pretrained, or a model_factory
+    model's weights as model.safetensors (tied weights once) beside FACTORY_FILE, which names the
+    factory and its arguments (rebuild_model)."""
+    if not cfg.model_factory:
+        model.save_pretrained(folder, state_dict=state_dict, **save_pretrained_kwargs)
+    elif save_pretrained_kwargs.get("is_main_process", True):
+        if state_dict is None:
+            save_model(model, str(Path(folder) / "model.safetensors"))
+        else:  # tied weights once, under the first of their names, as save_model keeps them
+            first = {}
+            for name in sorted(state_dict):
+                first.setdefault((state_dict[name].data_ptr(), state_dict[name].shape), name)
+            save_file({name: state_dict[name].contiguous() for name in first.values()},
+                      str(Path(folder) / "model.safetensors"))
+        recipe = {"model_factory": cfg.model_factory, **factory_arguments(cfg, config), "cfg": cfg.to_dict()}
+        (Path(folder) / FACTORY_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
+
+
+def rebuild_model(folder: Path) -> torch.nn.Module:
+    """A model_factory model from its final_model/ folder: the factory called as in training, then
+    the weights loaded."""
+    recipe = json.loads((Path(folder) / FACTORY_FILE).read_text())
+    model = model_factory(recipe["model_factory"])(vocab_size=recipe["vocab_size"], num_labels=recipe["num_labels"],
+                                                   cfg=TrainConfig(**recipe["cfg"]))
+    load_model(model, str(Path(folder) / "model.safetensors"))
     return model
 
 

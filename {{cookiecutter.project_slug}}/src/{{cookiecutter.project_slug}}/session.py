@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from . import extras
 from .checkpoint import checkpoints_dir, final_dir, newest_checkpoint, write_atomically, write_final
 from .data import Collator, eval_dataloader, example_sizes, loading, train_dataloader
 from .distributed import print0, sum_and_read
 from .errors import JobFailed
 from .extras import plug
+from .model import save_weights
 from .noise import NoiseScale
 from .speed import compiled_graphs, flop_counts, training_flops
 from .startup import AUTO_CEILING, Run
@@ -26,7 +26,7 @@ from .windows import MicroBatchRetry, Window, windows_from
 
 at_step = plug("doctor", "hangs:at_step", default=lambda step: None)  # the step a failed collective names
 # a checkpoint whose files an extra writes in the background: published later, by the `finish()` it gives
-write_checkpoint = extras.plug("fsdp", "sharding:write_in_background", default=write_atomically)
+write_checkpoint = plug("fsdp", "sharding:write_in_background", default=write_atomically)
 
 
 class Session:
@@ -130,7 +130,7 @@ class Session:
             record["oom_retries"], self.retry.retries = self.retry.retries, 0
         lengths = self.input_lengths[window.examples]
         record["input_tokens"] = int(lengths.sum())
-        if self.run.peak_flops and seconds > 0:
+        if self.run.peak_flops and self.flop_counts and seconds > 0:
             achieved = training_flops(self.flop_counts, lengths) / seconds
             record["mfu"] = round(achieved / (self.run.peak_flops * self.env.world_size), 4)
         if self.cfg.compile:
@@ -219,7 +219,7 @@ class Session:
         sharded): save_pretrained plus the tokenizer."""
         def write(folder: Path) -> None:
             if self.env.is_main_process:
-                model.save_pretrained(folder, state_dict=state_dict)
+                save_weights(model, folder, self.cfg, self.run.model_config, state_dict)
                 self.run.tokenizer.save_pretrained(folder)
 
         self.save_final(write)

@@ -86,12 +86,16 @@ def numel(parameter: torch.nn.Parameter) -> int:
     return getattr(parameter, "ds_numel", None) or parameter.numel()
 
 
-def flop_counts(model: torch.nn.Module) -> tuple[float, float]:
+def flop_counts(model: torch.nn.Module) -> tuple[float, float] | None:
     """Training FLOPs of a sequence of T tokens are `per_token`·T + `per_position`·T², as nanoGPT's
     estimate_mfu and the PaLM paper count them: 6 per weight and token (2 forward, 4 backward), not
     counting the input embedding (a lookup), plus attention's 12·L·H·Q (layers, heads, head dim)
-    for each token and each position of its sequence."""
-    config = model.config
+    for each token and each position of its sequence. None where the model is not a Hugging Face
+    transformer (a model_factory's): no mfu."""
+    config = getattr(model, "config", None)
+    needs = ("num_hidden_layers", "num_attention_heads", "hidden_size")
+    if not hasattr(model, "get_input_embeddings") or not all(hasattr(config, key) for key in needs):
+        return None
     embedding = model.get_input_embeddings().weight
     weights = sum(map(numel, model.parameters())) - numel(embedding)
     if getattr(config, "tie_word_embeddings", False):

@@ -41,7 +41,7 @@ from .cli import run_cli
 from .config import TrainConfig
 from .distributed import sync_counter_for
 from .evaluation import evaluate
-from .model import build_model, fsdp_mixed_precision, summed_loss
+from .model import build_model, fsdp_mixed_precision, save_weights, summed_loss
 from .optim import build_optimizer, build_scheduler
 from .session import Session
 from .speed import COMPILE
@@ -142,8 +142,8 @@ def train(cfg: TrainConfig) -> None:
         # torch.compile's wrapper prefixes its keys
         state = accelerator.get_state_dict(model)
         state = state and {key.removeprefix("_orig_mod."): value for key, value in state.items()}
-        unwrapped.save_pretrained(folder, is_main_process=env.is_main_process, save_function=accelerator.save,
-                                  state_dict=state)
+        save_weights(unwrapped, folder, cfg, run.model_config, state, is_main_process=env.is_main_process,
+                     save_function=accelerator.save)
         if env.is_main_process:
             run.tokenizer.save_pretrained(folder)
 

@@ -74,6 +74,7 @@ def training_arguments(cfg: TrainConfig, run: Run) -> TrainingArguments:
         torch_compile=cfg.compile,  # Accelerate's dynamo plugin, as train_accelerate (dynamic: train() sets it)
         torch_compile_backend=COMPILE["backend"] if cfg.compile else None,
         remove_unused_columns=False,
+        label_names=["labels"],  # what the Trainer finds in a Hugging Face model's forward, also for a model_factory's
         use_cpu=run.env.device.type == "cpu",
     )
 

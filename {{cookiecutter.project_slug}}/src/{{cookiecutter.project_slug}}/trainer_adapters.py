@@ -5,21 +5,24 @@ normalisation), RunRecorder (records, non-finite steps, checkpoints, stopping), 
 compute_metrics (evaluation by real targets).
 """
 
+from pathlib import Path
+
 import numpy as np
 import torch
+from safetensors.torch import load_model
 from transformers import PrinterCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .checkpoint import checkpoints_dir, publish
 from .distributed import sync_counter_for
 from .evaluation import confusion_matrix, eval_metrics
-from .model import count_targets, summed_loss
+from .model import count_targets, save_weights, summed_loss
 from .optim import build_optimizer, build_scheduler
 from .windows import finite
 
 
 class WindowTrainer(Trainer):
-    """The Trainer with five of its defaults replaced:
+    """The Trainer with six of its defaults replaced:
 
     - `get_train_dataloader` returns the project's window loader instead of the Trainer's own
       sampler over the dataset, whose order depends on the world size: every entry point then sees
@@ -30,7 +33,10 @@ class WindowTrainer(Trainer):
       the scaler's own state, which a resumed checkpoint then overwrites;
     - the Trainer's per-step dict on the console gives way to the project's progress line;
     - `floating_point_ops` (the documented hook) returns 0: the Trainer's own FLOP count walks the
-      model's parameters on every micro-step; the project counts FLOPs once (speed.training_flops).
+      model's parameters on every micro-step; the project counts FLOPs once (speed.training_flops);
+    - a model_factory model (not a PreTrainedModel) is saved and loaded as the other entry points
+      do it (model.save_weights, safetensors' load_model), not as a bare state dict, which
+      safetensors refuses for tied weights and the Trainer loads without its tied copies.
     """
 
     def __init__(self, *args, session, train_loader, **kwargs):
@@ -40,6 +46,22 @@ class WindowTrainer(Trainer):
         if scaler is not None:
             scaler.load_state_dict({**scaler.state_dict(), "scale": session.cfg.fp16_init_scale})
         self.remove_callback(PrinterCallback)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        cfg = self.session.cfg
+        if not cfg.model_factory:
+            return super()._save(output_dir, state_dict)
+        folder = Path(output_dir or self.args.output_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_weights(self.model, folder, cfg, self.session.run.model_config, state_dict)
+        self.processing_class.save_pretrained(folder)
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self.session.cfg.model_factory:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_model(model or self.model, str(Path(resume_from_checkpoint) / "model.safetensors"))
+        return None
 
     def get_train_dataloader(self):
         return self.train_loader

@@ -1,0 +1,134 @@
+"""A model of a team's own through `model_factory` (tests/factory_models.py: an embedding, a GRU
+and a tied head, no Hugging Face class): it trains alike in every entry point, stops and resumes
+exactly, and its final_model/ rebuilds it; a factory that cannot give such a model, or a model that
+lacks what an option needs, is one line and exit code 2 at start.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import factory_models
+import pytest
+import torch
+
+from {{ cookiecutter.project_slug }}.config import TrainConfig
+from {{ cookiecutter.project_slug }}.errors import ConfigError
+from {{ cookiecutter.project_slug }}.model import FACTORY_FILE, build_model, load_tokenizer, model_config, rebuild_model
+
+from conftest import ACCUM, ENTRIES, RunCache, assert_same_training, one_error_line, run_entry, shared_folder
+
+FACTORY = "factory_models:gru"
+TESTS = str(Path(__file__).parent)
+FLAGS = {**ACCUM, "model_factory": FACTORY, "peak_tflops": 1}  # a peak, yet no FLOP count: no mfu
+
+
+def with_tests(env: dict) -> dict:
+    """The environment with this folder importable, as a team's model package would be."""
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], TESTS])
+    return env
+
+
+@pytest.fixture(scope="module")
+def factory_runs(tmp_path_factory) -> RunCache:
+    runs = RunCache(shared_folder(tmp_path_factory, "factory_runs"))
+    with_tests(runs.env)
+    return runs
+
+
+@pytest.mark.slow
+def test_a_plain_module_trains_alike_in_every_entry_point_and_final_model_rebuilds_it(factory_runs):
+    runs = {entry: factory_runs(entry, 2, **FLAGS) for entry in ENTRIES}
+    first = runs[ENTRIES[0]]
+    params = first.params()
+    assert "head.weight" not in params  # tied to embed.weight: saved once
+    for entry, run in runs.items():
+        assert [r["step"] for r in run.steps] == list(range(1, 9)), entry
+        assert not any("mfu" in r for r in run.steps), entry
+        assert [e["step"] for e in run.evals] == [8] and "eval_perplexity" in run.evals[0], entry
+        assert [r["tokens"] for r in run.steps] == [r["tokens"] for r in first.steps], entry
+        other = run.params()
+        assert other.keys() == params.keys(), entry
+        assert max((other[k] - params[k]).abs().max().item() for k in params) <= 1e-6, entry
+        assert max(abs(a["loss"] - b["loss"]) for a, b in zip(run.steps, first.steps, strict=True)) <= 1e-6, entry
+        assert (run.output_dir / "final_model" / "tokenizer.json").is_file(), entry
+
+    folder = first.output_dir / "final_model"
+    recipe = json.loads((folder / FACTORY_FILE).read_text())
+    assert (recipe["model_factory"], recipe["num_labels"]) == (FACTORY, None)
+    rebuilt = rebuild_model(folder)
+    assert isinstance(rebuilt, factory_models.TinyGRU) and rebuilt.head.weight is rebuilt.embed.weight
+    by_hand = factory_models.gru(vocab_size=recipe["vocab_size"], num_labels=None, cfg=None)
+    by_hand.load_state_dict(params, strict=False)
+    by_hand.head.weight = by_hand.embed.weight
+    tokens = torch.arange(12).view(2, 6) % recipe["vocab_size"]
+    with torch.no_grad():
+        assert torch.equal(rebuilt(tokens), by_hand(tokens))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_plain_module_stops_and_resumes_exactly(factory_runs, entry, tmp_path):
+    straight = factory_runs(entry, 2, **FLAGS)
+    out = tmp_path / "resumed"
+    first = factory_runs.run(entry, 2, out, {**FLAGS, "stop_after_steps": 4})
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert not (out / "final_model").exists()
+    second = factory_runs.run(entry, 2, out, {**FLAGS, "resume_from_checkpoint": "auto"})
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert_same_training(second, straight)
+
+
+def test_a_plain_classifier_trains_and_evaluates(env, tmp_path):
+    out = tmp_path / "out"
+    flags = {"task": "sequence_classification", "model_factory": FACTORY, "max_steps": 2,
+             "global_batch_size": 8, "micro_batch_size": 4}
+    run = run_entry(ENTRIES[-1], 1, out, with_tests(env), flags)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [r["step"] for r in run.steps] == [1, 2]
+    assert "eval_accuracy" in run.evals[-1] and "eval_f1" in run.evals[-1]
+    assert json.loads((out / "final_model" / FACTORY_FILE).read_text())["num_labels"] == 2
+
+
+BAD_FACTORIES = [
+    ({"model_factory": "factory_models.gru"}, "model_factory 'factory_models.gru' is not 'package.module:function'"),
+    ({"model_factory": "no_such_package.models:gru"},
+     "cannot import no_such_package.models (ModuleNotFoundError: No module named 'no_such_package')"),
+    ({"model_factory": "factory_models:nothing"}, "factory_models has no function nothing"),
+    ({"model_factory": "factory_models:NOT_CALLABLE"}, "factory_models has no function NOT_CALLABLE"),
+    ({"model_factory": "factory_models:not_a_module"}, "returned a dict, not a torch.nn.Module"),
+    ({"model_factory": "factory_models:wrong_vocab"}, "expected [1, 2, 105] (the last size is vocab_size)"),
+    ({"model_factory": "factory_models:wrong_vocab", "task": "sequence_classification"},
+     "expected [1, 2] (the last size is num_labels)"),
+    ({"model_factory": FACTORY, "gradient_checkpointing": True},
+     "gradient_checkpointing: the model_factory 'factory_models:gru' model has no gradient_checkpointing_enable()"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FACTORIES)))
+def test_a_bad_factory_is_refused_in_one_line(case, monkeypatch, tmp_path):
+    """Each mistake, found where the entry points find it: the factory's name at start
+    (model_config), its model when it is built (build_model), before any process waits on another."""
+    flags, message = BAD_FACTORIES[case]
+    monkeypatch.syspath_prepend(TESTS)
+    cfg = TrainConfig(**{"output_dir": str(tmp_path), **flags})
+    with pytest.raises(ConfigError) as refused:
+        build_model(cfg, model_config(cfg, load_tokenizer(cfg)))
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("case", [0, 5])  # at start, and when the model is built
+def test_a_bad_factory_exits_2_with_one_line(case, env, tmp_path):
+    flags, message = BAD_FACTORIES[case]
+    run = run_entry(ENTRIES[case % len(ENTRIES)], 1, tmp_path / "out", with_tests(env), {"max_steps": 2, **flags})
+    one_error_line(run, message)
+
+
+def test_fsdp_needs_the_models_layer_classes(monkeypatch, tmp_path):
+    """Accelerate's FSDP config (and train_pytorch's fsdp) wraps each of _no_split_modules' layers:
+    refused up front for a model without them (on CPU the launch itself refuses FSDP first)."""
+    monkeypatch.syspath_prepend(TESTS)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    cfg = TrainConfig(model_factory=FACTORY, output_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="fsdp: the model_factory 'factory_models:gru' model has no _no_split"):
+        build_model(cfg, type("Config", (), {"vocab_size": 11, "num_labels": 2})())
