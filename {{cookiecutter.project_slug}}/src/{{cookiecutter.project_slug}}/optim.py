@@ -8,9 +8,11 @@ import torch
 from transformers import get_scheduler
 from transformers.optimization import Adafactor
 
-from .batch import BatchPlan, lr_batch_factor
+from .batch import BatchPlan
 from .config import TrainConfig
+from .extras import plug
 
+lr_batch_factor = plug("batch_schedule", "batch_schedule:lr_batch_factor", default=lambda cfg, plan: None)
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
 
 
@@ -43,12 +45,12 @@ def total_steps(cfg: TrainConfig, sampler) -> int:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps: int, plan: BatchPlan):
-    """The lr schedule over `steps` optimizer steps; with lr_batch_scaling, each step's lr also
+    """The lr schedule over `steps` optimizer steps; with lr_batch_scaling (batch_schedule), each step's lr also
     scaled with its global batch (the schedule counts the steps it applied: a skipped step, which
     leaves it where it is, is not counted)."""
     scheduler = get_scheduler(SCHEDULES[cfg.lr_scheduler_type], optimizer,
                               num_warmup_steps=cfg.warmup_steps, num_training_steps=steps)
-    factor = lr_batch_factor(cfg.lr_batch_scaling, plan)
+    factor = lr_batch_factor(cfg, plan)
     if factor is not None:  # LambdaLR's own hook; 1 at step 0, so the first lr is unchanged
         scheduler.lr_lambdas = [lambda step, f=f: f(step) * factor(step) for f in scheduler.lr_lambdas]
     return scheduler
