@@ -1,73 +1,35 @@
-"""The batch adapts: a global batch that grows on a schedule, the gradient noise scale that says
-which batch pays, and --micro_batch_size auto surviving an out-of-memory error mid-run.
-
-The out-of-memory errors are injected (oom_injection.py: torch.OutOfMemoryError from the model's
-forward pass on one rank above a bound of rows), since this machine has no GPU to fill."""
-
-import json
-import math
-import subprocess
-import sys
-import textwrap
+"""The batch plan and its windows: each optimizer step's global batch and accumulation, and an
+epoch cut into windows as one stream of its permutation, whatever the world size, also where the
+global batch changes at given steps (the batch_schedule extra's schedule: tests/test_batch_schedule.py)."""
 
 import pytest
-import torch
 
-from {{ cookiecutter.project_slug }}.batch import parse_schedule, plan_batches
-from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
-from {{ cookiecutter.project_slug }}.distributed import DistEnv
-from {{ cookiecutter.project_slug }}.launch import check_back_end, launch_of
-from {{ cookiecutter.project_slug }}.optim import build_scheduler, total_steps
-from {{ cookiecutter.project_slug }}.tracking import Progress
+from {{ cookiecutter.project_slug }}.batch import plan_batches
+from {{ cookiecutter.project_slug }}.config import load_config
+from {{ cookiecutter.project_slug }}.optim import total_steps
 from {{ cookiecutter.project_slug }}.windows import WindowSampler
 
-from conftest import (
-    ENTRIES,
-    LAUNCH_TIMEOUT_S,
-    ROOT,
-    SLUG,
-    TOL,
-    Run,
-    assert_same_training,
-    flag_args,
-    free_port,
-    max_abs_diff,
-    report,
-    run_entry,
-)
+from conftest import ROOT
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
-LOOPS = [e for e in ENTRIES if e != "trainer"]  # the loops that are ours (the Trainer's is the library's)
-needs_a_loop = pytest.mark.skipif(not LOOPS, reason="only train_trainer generated: it refuses a schedule and "
-                                  "keeps micro_batch_size auto a start-up search")
-
-
-@pytest.mark.parametrize("text,message", [
-    ("0:16,4", "'4' is not STEP:SIZE"), ("0:16,x:32", "'x:32' is not STEP:SIZE"), ("2:16", "must start with 0:16"),
-    ("0:32", "must start with 0:16"), ("0:16,4:32,4:64", "steps must increase, 4 follows 4"),
-    ("0:16,4:24", "24 (from step 4) must be a larger multiple of 16"), ("0:16,4:8", "must be a larger multiple"),
-    ("0:16,4:-32", "'4:-32' is not STEP:SIZE"),
-])
-def test_a_bad_schedule_is_one_line(text, message):
-    with pytest.raises(ConfigError) as err:
-        load_config(["--config", CONFIG, "--global_batch_size", "16", "--global_batch_size_schedule", text])
-    assert message in str(err.value)
 
 
 def test_the_schedule_gives_each_step_its_batch_and_accumulation():
-    plan = plan_batches(16, 2, 2, schedule=" 0:16, 3:32 ,7:128")
+    plan = plan_batches(16, 2, 2, schedule=((0, 16), (3, 32), (7, 128)))
     assert plan.schedule == ((0, 16), (3, 32), (7, 128))
+    assert plan_batches(16, 2, 2).schedule == ((0, 16),)
     assert [plan.global_batch_at(s) for s in range(9)] == [16] * 3 + [32] * 4 + [128] * 2
     assert [plan.accum_at(s) for s in (0, 3, 7)] == [4, 8, 32]
     assert "from step 3" in plan.table(48) and "(grad_accum_steps 32)" in plan.table(48)
 
 
-@pytest.mark.parametrize("n,schedule,micro,world", [(100, "0:8,3:16,5:64", 2, 2), (37, "0:6,1:12,2:24", 1, 3),
-                                                    (50, "0:4,20:8", 4, 1), (300, "0:16,2:32", 2, 4)])
+@pytest.mark.parametrize("n,schedule,micro,world", [
+    (100, ((0, 8), (3, 16), (5, 64)), 2, 2), (37, ((0, 6), (1, 12), (2, 24)), 1, 3),
+    (50, ((0, 4), (20, 8)), 4, 1), (300, ((0, 16), (2, 32)), 2, 4)])
 def test_a_scheduled_epoch_is_one_stream_of_the_permutation(n, schedule, micro, world):
     """Each step takes the next global batch of the epoch's permutation, whatever the world size;
     every example once per epoch; epochs keep counting the run's steps for the schedule."""
-    plan = plan_batches(int(schedule.split(",")[0][2:]), micro, world, schedule=schedule)
+    plan = plan_batches(schedule[0][1], micro, world, schedule=schedule)
     ranks = [WindowSampler(n, plan, rank, seed=3) for rank in range(world)]
     step = 0
     for epoch in range(3):
@@ -87,210 +49,3 @@ def test_a_scheduled_epoch_is_one_stream_of_the_permutation(n, schedule, micro, 
         assert offset == n
     cfg = load_config(["--config", CONFIG, "--max_steps", "-1", "--num_epochs", "3"])
     assert total_steps(cfg, WindowSampler(n, plan, 0, seed=3)) == step
-
-
-@pytest.mark.parametrize("scaling,power", [("none", 0.0), ("sqrt", 0.5), ("linear", 1.0)])
-def test_lr_batch_scaling(scaling, power):
-    cfg = load_config(["--config", CONFIG, "--global_batch_size", "16", "--warmup_steps", "2",
-                       "--lr_scheduler_type", "constant", "--global_batch_size_schedule", "0:16,3:32,5:128",
-                       "--lr_batch_scaling", scaling])
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.learning_rate)
-    scheduler = build_scheduler(optimizer, cfg, 8, plan_batches(16, 2, 1, schedule=cfg.global_batch_size_schedule))
-    lrs = []
-    for _ in range(7):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    base = [0.0, 0.5, 1, 1, 1, 1, 1]
-    factor = [1, 1, 1, 2**power, 2**power, 8**power, 8**power]
-    assert lrs == pytest.approx([cfg.learning_rate * b * f for b, f in zip(base, factor, strict=True)], rel=1e-12)
-
-
-def test_the_trainer_and_deepspeed_refuse_a_schedule():
-    env = DistEnv(0, 0, 1, 1, torch.device("cpu"))
-    cfg = load_config(["--config", CONFIG, "--global_batch_size", "16", "--global_batch_size_schedule", "0:16,2:32"])
-    with pytest.raises(ConfigError, match="^train_trainer cannot follow global_batch_size_schedule"):
-        check_back_end(cfg, env, launch_of(cfg, "trainer"), parse_schedule(cfg.global_batch_size_schedule, 16))
-    cfg.deepspeed = "configs/deepspeed/zero2.json"
-    with pytest.raises(ConfigError, match="^global_batch_size_schedule with DeepSpeed"):
-        check_back_end(cfg, env, launch_of(cfg, "accelerate"), parse_schedule(cfg.global_batch_size_schedule, 16))
-
-
-def test_the_progress_line_shows_the_noise_scale_and_a_new_batch():
-    progress = Progress(total_steps=3, start_step=0, log_every=1)
-    record = {"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 100, "elapsed_s": 1.0,
-              "global_batch_size": 16, "micro_batch_size": 4, "grad_accum_steps": 2, "world_size": 2,
-              "grad_noise_scale": 12.34}
-    assert progress.line(record).endswith("| gns 12.3")
-    progress.update(record)
-    record = {**record, "step": 2, "micro_batch_size": 2, "grad_accum_steps": 4, "oom_retries": 1}
-    assert progress.line(record).endswith("| batch 16 = micro 2 after out of memory x accum 4 x world 2")
-
-
-# --- 2 processes --------------------------------------------------------------------------------
-
-SCHEDULED = {"global_batch_size": 8, "global_batch_size_schedule": "0:8,2:16,4:32", "max_steps": 6,
-             "lr_batch_scaling": "sqrt", "ddp_bucket_cap_mb": 0.05}
-
-
-@pytest.mark.slow
-@needs_a_loop
-def test_a_scheduled_run_trains_like_one_process_and_resumes_across_a_change(runs, tmp_path):
-    """2 processes x 2 rows per micro-batch (accumulation 2, 4, 8) against one process taking each
-    global batch at once; the entries agree; a job stopped after step 3 (inside the second size)
-    resumes bitwise, noise-scale estimate included."""
-    reference = runs(LOOPS[0], 1, micro_batch_size=8, **SCHEDULED)
-    assert [(r["global_batch_size"], r["grad_accum_steps"]) for r in reference.steps] == \
-        [(8, 1), (8, 1), (16, 2), (16, 2), (32, 4), (32, 4)]
-    for entry in LOOPS:
-        run = runs(entry, 2, micro_batch_size=2, **SCHEDULED)
-        assert [(r["global_batch_size"], r["grad_accum_steps"], r["micro_steps"]) for r in run.steps] == \
-            [(8, 2, 2), (8, 2, 2), (16, 4, 4), (16, 4, 4), (32, 8, 8), (32, 8, 8)]
-        assert [r["tokens"] for r in run.steps] == [r["tokens"] for r in reference.steps]
-        assert [r["lr"] for r in run.steps] == [r["lr"] for r in reference.steps]
-        diff = max_abs_diff(run.params(), reference.params())
-        report(f"schedule {entry} 2 processes x micro 2 vs 1 process x whole batch: max |param diff| {diff:.3g}")
-        assert diff <= TOL.param
-        assert all(r["grad_noise_scale"] > 0 for r in run.steps[2:])  # the estimate exists from step 2 or so
-    stopped = runs.run(LOOPS[0], 2, tmp_path / "resumed",
-                       {"micro_batch_size": 2, **SCHEDULED, "save_steps": 1, "stop_after_steps": 3})
-    assert stopped.returncode == 0, stopped.stderr[-3000:]
-    resumed = runs.run(LOOPS[0], 2, tmp_path / "resumed",
-                       {"micro_batch_size": 2, **SCHEDULED, "resume_from_checkpoint": "auto"})
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    straight = runs(LOOPS[0], 2, micro_batch_size=2, **SCHEDULED)
-    assert_same_training(resumed, straight)
-    assert [r["grad_noise_scale"] for r in resumed.steps[3:]] == [r["grad_noise_scale"] for r in straight.steps[3:]]
-
-
-NOISE_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import torch, torch.distributed as dist
-    from {{ cookiecutter.project_slug }}.distributed import GradSyncCounter, dist_env, init_distributed, wrap_ddp
-    from {{ cookiecutter.project_slug }}.noise import NoiseScale, read_norms
-
-    env = dist_env()
-    init_distributed(env, 60, 60)
-    d, n, sigma, batch, steps = 16, 8192, 0.5, 64, int(sys.argv[1])
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, d, generator=g, dtype=torch.float64)
-    w_star = torch.randn(d, generator=g, dtype=torch.float64)
-    y = x @ w_star + sigma * torch.randn(n, generator=g, dtype=torch.float64)
-    model = torch.nn.Linear(d, 1, bias=False).double()
-    torch.nn.init.zeros_(model.weight)  # measured at w = 0, where the gradient is -E[x y]
-    ddp = wrap_ddp(model, env, 25)
-    counter, noise = GradSyncCounter(ddp), NoiseScale()
-    sq_norms, traces, smoothed = [], [], None
-    for step in range(steps):
-        # the same i.i.d. draw (with replacement) on every rank; rank r takes every world_size-th example
-        draw = torch.randint(n, (batch,), generator=torch.Generator().manual_seed(1000 + step))
-        rows = draw[env.rank::env.world_size]
-        ddp.zero_grad(set_to_none=True)
-        residual = ddp(x[rows]).squeeze(1) - y[rows]
-        # as the entry points scale it: the rank's summed loss / the global batch x world_size
-        (0.5 * residual.square().sum() * env.world_size / batch).backward()
-        values = noise.update(*read_norms(*counter.take_norms(), env.world_size), batch, env.world_size)
-        sq_norms.append(values["grad_sq_norm"])
-        traces.append(values["grad_trace"])
-        smoothed = values.get("grad_noise_scale", smoothed)
-    per_example = x * (-y)[:, None]  # the gradient of 0.5 (x.w - y)^2 at w = 0, per example
-    mean = per_example.mean(0)
-    exact = ((per_example - mean).square().sum(1).mean() / mean.square().sum()).item()
-    closed = ((d + 1) * w_star.square().sum() + d * sigma ** 2) / w_star.square().sum()
-    if env.rank == 0:
-        print(json.dumps(dict(estimate=sum(traces) / sum(sq_norms), exact=exact, closed_form=closed.item(),
-                              smoothed_last=smoothed)))
-    dist.destroy_process_group()
-""")
-
-
-@pytest.mark.slow
-def test_the_noise_scale_estimator_against_the_closed_form(runs, tmp_path):
-    """Linear regression with Gaussian inputs and noise, at w = 0: B_simple = tr(Σ)/|G|² is
-    (d+1) + d σ²/|w*|² in closed form, and exactly computable from the per-example gradients of
-    the finite set. The estimator, from the real DDP hook on 2 processes (per-rank batch 32, global
-    64), averaged over 400 steps, must land within 10 % of it."""
-    script = tmp_path / "noise.py"
-    script.write_text(NOISE_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), "400"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=runs.env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    error = abs(result["estimate"] / result["exact"] - 1)
-    report(f"noise scale: estimate {result['estimate']:.3f} vs exact {result['exact']:.3f} (closed form "
-           f"{result['closed_form']:.3f}): {error:.1%} off; smoothed at the end {result['smoothed_last']:.3f}")
-    assert abs(result["exact"] / result["closed_form"] - 1) < 0.05  # the finite set is close to its law
-    assert error < 0.10
-
-
-AUTO = {"micro_batch_size": "auto", "memory_budget_mb": 100000, "global_batch_size": 16, "max_steps": 6,
-        "ddp_bucket_cap_mb": 0.05, "collective_timeout_s": 60}
-
-
-def injected(entry: str, spec: str, out, env, flags: dict) -> Run:
-    """2 processes of `entry` under torchrun, out-of-memory errors injected on rank 1 (`spec`)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "tests" / "oom_injection.py"), spec,
-           f"{SLUG}.train_{entry}", *flag_args(flags), "--output_dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    return Run(proc.returncode, proc.stdout, proc.stderr, out)
-
-
-# Rank 1: more than 4 rows do not fit (the start-up search settles on 4: accumulation 2), and after
-# 9 forward passes (the search's 5: micro 8 fails in its first, micro 4 fits in the probe's two
-# windows of 2; then steps 1-2) not more than 2: step 3's first micro-step fails.
-MID_WINDOW = "1:4:9:2"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("entry", LOOPS)
-def test_out_of_memory_mid_run_retries_the_window_with_half_the_micro_batch(runs, entry, tmp_path):
-    run = injected(entry, MID_WINDOW, tmp_path / "auto", runs.env, AUTO)
-    assert run.returncode == 0, run.stderr[-3000:]
-    shapes = [(r["micro_batch_size"], r["grad_accum_steps"], r["micro_steps"]) for r in run.steps]
-    assert shapes == [(4, 2, 2)] * 2 + [(2, 4, 4)] * 4
-    assert [r.get("oom_retries", 0) for r in run.steps] == [0, 0, 1, 0, 0, 0]
-    assert "batch 16 = micro 2 after out of memory x accum 4 x world 2" in run.stdout
-    fixed = runs(entry, 2, **{**AUTO, "micro_batch_size": 2, "memory_budget_mb": 0})
-    assert [r["tokens"] for r in run.steps] == [r["tokens"] for r in fixed.steps]
-    diff = max_abs_diff(run.params(), fixed.params())
-    report(f"out of memory {entry}: micro batch 4 -> 2 at step 3, vs micro batch 2 from the start: "
-           f"max |param diff| {diff:.3g}, max |loss diff| "
-           f"{max(abs(a['loss'] - b['loss']) for a, b in zip(run.steps, fixed.steps, strict=True)):.3g}")
-    assert diff <= TOL.param
-    # a job stopped after the change resumes with the smaller micro batch, exactly
-    out = tmp_path / "stopped"
-    stopped = injected(entry, MID_WINDOW, out, runs.env, {**AUTO, "save_steps": 2, "stop_after_steps": 4})
-    assert stopped.returncode == 0, stopped.stderr[-3000:]
-    resumed = run_entry(entry, 2, out, runs.env, {**AUTO, "resume_from_checkpoint": "auto"})
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [r["micro_batch_size"] for r in resumed.steps[4:]] == [2, 2]
-    assert_same_training(resumed, run)
-
-
-@pytest.mark.slow
-@needs_a_loop
-@pytest.mark.parametrize("spec,checkpoints", [
-    ("1:4:10:2", ["step_1", "step_2"]),  # step 3's second micro-step: the window's synchronising one
-    ("1:4:7:2", ["step_1"]),  # step 2's first: the job's second window, whose forward rebuilds DDP's buckets
-])
-def test_out_of_memory_in_a_synchronising_micro_step_ends_the_job_and_its_restart_goes_on(runs, tmp_path, spec,
-                                                                                        checkpoints):
-    """There nothing can be agreed (rank 0 waits in a collective): one line, and the restart
-    resumes from the newest checkpoint at the next smaller micro batch."""
-    entry, out = LOOPS[0], tmp_path / "run"
-    flags = {**AUTO, "save_steps": 1}
-    failed = injected(entry, spec, out, runs.env, flags)
-    assert failed.returncode == 1
-    lines = [line for line in failed.stderr.splitlines() if line.startswith("error: rank 1 ran out of memory")]
-    assert len(lines) == 1, failed.stderr[-3000:]
-    assert "continues from the newest checkpoint with micro batch 2" in lines[0]
-    assert (out / "auto_micro_batch_size").read_text() == "2\n"
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == checkpoints
-    restarted = run_entry(entry, 2, out, runs.env, {**flags, "resume_from_checkpoint": "auto"})
-    assert restarted.returncode == 0, restarted.stderr[-3000:]
-    assert [r["micro_batch_size"] for r in restarted.steps[len(checkpoints):]] == [2] * (6 - len(checkpoints))
-    fixed = runs(entry, 2, **{**AUTO, "micro_batch_size": 2, "memory_budget_mb": 0})
-    assert max_abs_diff(restarted.params(), fixed.params()) <= TOL.param
-    assert math.isfinite(restarted.steps[-1]["loss"])

@@ -19,7 +19,6 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from {{ cookiecutter.project_slug }}.batch import parse_schedule
 from {{ cookiecutter.project_slug }}.checkpoint import check_file
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.distributed import DistEnv
@@ -159,7 +158,7 @@ def test_fsdp_keys_that_cannot_apply_are_one_line(flags, entry, world_size, expe
     cfg = load_config(["--config", CONFIG, *flags])
     env = DistEnv(0, 0, world_size, world_size, torch.device("cpu"))
     with pytest.raises(ConfigError, match=f"^{expected}"):
-        check_back_end(cfg, env, launch_of(cfg, entry), parse_schedule(cfg.global_batch_size_schedule, 16))
+        check_back_end(cfg, env, launch_of(cfg, entry))
 
 
 @pytest.mark.parametrize("flags,expected", [

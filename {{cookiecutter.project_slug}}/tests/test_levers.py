@@ -1,20 +1,14 @@
 """The memory levers, with accumulation, in every entry point: fp16 loss scaling, gradient
-checkpointing, the optimizers and schedules, FSDP, and the micro batch found from memory
-(`--micro_batch_size auto`). README, "Memory levers"."""
+checkpointing, the optimizers and schedules, FSDP (the micro batch found from memory:
+tests/test_auto_batch.py). README, "Memory levers"."""
 
-import json
 import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
-import torch.distributed as dist
 from accelerate.utils import FullyShardedDataParallelPlugin
 
 from {{ cookiecutter.project_slug }}.config import load_config
-from {{ cookiecutter.project_slug }}.distributed import DistEnv, init_distributed
-from {{ cookiecutter.project_slug }}.memory import MIB, training_step_peak
 from {{ cookiecutter.project_slug }}.model import fsdp_mixed_precision, load_tokenizer, model_config
 from {{ cookiecutter.project_slug }}.prepare import prepare
 
@@ -23,7 +17,6 @@ from conftest import (
     DATA_CACHE,
     ENTRIES,
     GPUS,
-    LAUNCH_TIMEOUT_S,
     MIXED_PRECISION,
     ROOT,
     TOL,
@@ -117,13 +110,6 @@ def test_gradient_checkpointing_trains_the_same(runs, entry):
            f"max |loss diff| {loss_diff:.3g}")
     assert loss_diff <= TOL.loss
     assert param_diff <= TOL.param
-
-
-def test_gradient_checkpointing_lowers_the_peak():
-    peaks = {on: training_step_peak(*config_for("--gradient_checkpointing", on), 8, DEVICE) for on in ("false", "true")}
-    report(f"peak of one training step, micro batch 8 x 48 tokens on {DEVICE.type}: {peaks['false'] / MIB:.2f} MiB, "
-           f"with gradient checkpointing {peaks['true'] / MIB:.2f} MiB")
-    assert peaks["true"] < peaks["false"]
 
 
 @pytest.mark.slow
@@ -229,89 +215,3 @@ def test_fsdp2_gradient_norms_are_the_whole_models(env, tmp_path):
         assert float(shard) < float(expected) * (1 - 1e-3)  # this rank's shards' norm alone would be wrong
     report(f"FSDP2 gradient norm on 2 ranks: record {rows[0][1]}, whole model {rows[0][4]}, "
            f"shard alone {rows[0][3]} / {rows[1][3]}")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("entry", ENTRIES)
-def test_auto_micro_batch_is_the_largest_that_fits(runs, entry):
-    """A budget between the peaks of micro batches 4 and 8: global 32 on 2 processes trains with
-    micro 4 x accumulation 4, exactly as a run told micro 4 (the first entry point's: the entry
-    points train bitwise alike, test_parity.py)."""
-    cfg, config = config_for()
-    flags = {"global_batch_size": 32, "max_steps": 3}
-    # as the search on 2 processes measures them: DDP's buckets, the window's micro-batches
-    peak4, peak8 = (training_step_peak(cfg, config, size, DEVICE, ddp=True, accumulation=32 // 2 // size)
-                    for size in (4, 8))
-    budget_mb = (peak4 + peak8) / 2 / MIB
-    auto = runs(entry, 2, micro_batch_size="auto", memory_budget_mb=f"{budget_mb:.6f}", **flags)
-    told = runs(ENTRIES[0], 2, micro_batch_size=4, **flags)
-    assert [(r["grad_accum_steps"], r["micro_steps"]) for r in auto.steps] == [(4, 4)] * 3
-    assert "(auto: largest within the budget" in auto.stdout
-    diff = max_abs_diff(auto.params(), told.params())
-    report(f"micro_batch_size auto ({entry}), budget {budget_mb:.2f} MiB (peaks: micro 4 {peak4 / MIB:.2f} MiB, "
-           f"micro 8 {peak8 / MIB:.2f} MiB): chose 4; vs {ENTRIES[0]} told 4: max |param diff| {diff:.3g}")
-    assert diff == 0
-
-
-
-# The entry point with its optimizer steps 2-4 measured as the probe measures one (memory.peak_bytes:
-# on CPU LiveBytes over the parameters, gradients, optimizer state and whatever the step allocates).
-MEASURED_STEPS = textwrap.dedent("""
-    import importlib, json, os, sys
-    import torch
-    from {{ cookiecutter.project_slug }}.memory import peak_bytes
-
-    entry_name = sys.argv.pop(1)
-    entry = importlib.import_module("{{ cookiecutter.project_slug }}.train_" + entry_name)
-    original, peaks = entry.train_step, {}
-
-    def measured(*args, **kwargs):
-        model, window, optimizer = args[0 if entry_name == "pytorch" else 1], args[2], args[3]
-        if not 2 <= window.step <= 4:
-            return original(*args, **kwargs)
-        values = []
-        device = next(model.parameters()).device
-        peaks[window.step] = peak_bytes(lambda: values.append(original(*args, **kwargs)), device, model, optimizer)
-        with open(os.environ["PEAKS_FILE"], "w") as f:
-            json.dump(peaks, f)
-        return values[0]
-
-    entry.train_step = measured
-    entry.main()
-""")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("entry", [e for e in ("pytorch", "accelerate") if e in ENTRIES])
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_the_micro_batch_probe_sees_the_peak_of_real_steps(env, tmp_path, entry, optimizer):
-    """The probe behind --micro_batch_size auto against the peak of the entry point's own optimizer
-    steps 2-4 (optimizer state, accumulated gradients): never below it, at most 15 % above."""
-    flags = {"optimizer": optimizer, "micro_batch_size": 4, "global_batch_size": 16, "max_steps": 4}
-    script, peaks_file = tmp_path / "measured_steps.py", tmp_path / "peaks.json"
-    script.write_text(MEASURED_STEPS)
-    cmd = [sys.executable, str(script), entry, *flag_args(flags), "--output_dir", str(tmp_path / "out")]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**env, "PEAKS_FILE": str(peaks_file)}, capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    real = max(json.loads(peaks_file.read_text()).values())
-    cfg, config = config_for("--optimizer", optimizer)
-    probe = training_step_peak(cfg, config, 4, DEVICE, accumulation=4)  # as the auto search calls it here
-    report(f"micro batch probe ({entry}, {optimizer}, micro 4, accumulation 4): probe {probe / MIB:.3f} MiB, "
-           f"real steps 2-4 at most {real / MIB:.3f} MiB ({probe / real:.3f}x)")
-    assert real <= probe <= 1.15 * real
-
-@pytest.mark.parametrize("backend,bound", [(None, True), ("gloo", False)], ids=["nccl", "gloo_by_DIST_BACKEND"])
-def test_a_gpu_rank_joins_nccl_bound_to_its_gpu(monkeypatch, backend, bound):
-    """On a GPU the group is nccl, bound to the rank's GPU from the start (`device_id`); gloo
-    (DIST_BACKEND=gloo: several ranks on one GPU) is not bound. Recorded here without a GPU."""
-    joined = {}
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([(dist.HashStore(), 1, 2)]))
-    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: joined.update(kwargs))
-    monkeypatch.delenv("DIST_BACKEND", raising=False)
-    if backend:
-        monkeypatch.setenv("DIST_BACKEND", backend)
-    device = torch.device("cuda", 1)
-    init_distributed(DistEnv(1, 1, 2, 2, device), 60, 60)
-    assert joined["backend"] == (backend or "nccl") and joined["device_id"] == (device if bound else None)

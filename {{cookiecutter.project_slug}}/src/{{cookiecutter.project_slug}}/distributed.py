@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from .errors import ConfigError, JobFailed, first_line
+from .extras import BAKED
 
 # torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (False: no broadcast in every
 # forward; the buffers, constants here, are still synced once at the start). wrap_ddp passes the
@@ -263,7 +264,7 @@ class GradSyncCounter:
     """Counts DDP's gradient all-reduce calls (one per bucket per synchronised backward pass) and
     the bytes they send (each bucket's flat gradient buffer), and sums each bucket's squared norm
     before the all-reduce (this rank's gradient) and after it (the average over ranks) for the
-    gradient noise scale (noise.py).
+    gradient noise scale (noise.py, where the batch_schedule extra is baked).
 
     Installed as a DDP communication hook that wraps the default all-reduce, so it counts what
     DDP really sends (DDP takes one hook: everything read from the buckets is read here); `take()`
@@ -276,7 +277,7 @@ class GradSyncCounter:
 
         self.calls = 0
         self.bytes = 0
-        self.noise = True  # read the squared norms (off: only to measure what they cost)
+        self.noise = "batch_schedule" in BAKED  # read the squared norms for the noise scale (noise.py)
         self._index = {id(p): i for i, p in enumerate(ddp_model.module.parameters())}
         self._local: list[tuple[list[int], torch.Tensor]] = []  # (parameter indices, their squared norms)
         self._reduced: list[tuple[list[int], torch.Tensor]] = []

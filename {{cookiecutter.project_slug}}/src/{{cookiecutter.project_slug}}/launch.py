@@ -41,19 +41,10 @@ def launch_of(cfg: TrainConfig, entry: str) -> Launch:
     return Launch(entry, deepspeed_config_path(cfg), os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true")
 
 
-def check_back_end(cfg: TrainConfig, env: DistEnv, launch: Launch, schedule: tuple) -> None:
+def check_back_end(cfg: TrainConfig, env: DistEnv, launch: Launch) -> None:
     """Refuse what the entry point cannot run, instead of letting it train something else
-    silently. `schedule`: the parsed global_batch_size_schedule."""
+    silently."""
     entry, on_accelerate, fsdp = launch.entry, launch.on_accelerate, launch.fsdp
-    grows = len(schedule) > 1
-    if grows and entry == "trainer":
-        raise ConfigError("train_trainer cannot follow global_batch_size_schedule: the Trainer fixes "
-                          "gradient_accumulation_steps for the whole run in its own loop; use train_pytorch or "
-                          "train_accelerate, or drop the schedule")
-    if grows and launch.deepspeed_path:
-        raise ConfigError("global_batch_size_schedule with DeepSpeed: DeepSpeed's engine fixes its batch keys "
-                          "(gradient_accumulation_steps, train_batch_size) when it starts; drop --deepspeed or the "
-                          "schedule")
     if not on_accelerate and launch.deepspeed_path:
         raise ConfigError(f"train_{entry} does not run DeepSpeed; use train_accelerate or train_trainer with "
                           "--deepspeed, or drop --deepspeed")

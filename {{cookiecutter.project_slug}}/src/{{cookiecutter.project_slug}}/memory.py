@@ -1,12 +1,16 @@
-"""Peak memory of a piece of training, on the device it runs on: `torch.cuda.max_memory_allocated`
-on a GPU, and on CPU `LiveBytes`, a dispatch mode counting the storages alive at once (torch keeps
-no allocator statistics there). Used by `--micro_batch_size auto` and benchmarks/memory.py;
-docs/memory.md says what each number counts.
+"""The auto_batch extra's work: peak memory of a piece of training on the device it runs on
+(`torch.cuda.max_memory_allocated` on a GPU; on CPU `LiveBytes`, a dispatch mode counting the
+storages alive at once), the start-up search of `--micro_batch_size auto` and its out-of-memory
+retry at run time (MicroBatchRetry). docs/memory.md says what each number counts, docs/batch.md
+the retry's rules; benchmarks/memory.py measures with the same functions.
 """
 
 import math
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -14,15 +18,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .batch import largest_fitting
+from .batch import BatchPlan, plan_batches
+from .checkpoint import rng_state, set_rng_state
 from .config import TrainConfig
 from .data import IGNORE_INDEX
-from .distributed import DistEnv, all_reduce_min
-from .errors import ConfigError
+from .distributed import DistEnv, all_reduce_min, init_distributed, ranks_with
+from .errors import ConfigError, JobFailed, first_line
 from .model import autocast_for, build_model, summed_loss
 from .optim import build_optimizer
+from .windows import Window, windows_from
 
 MIB = 2**20
+AUTO_CEILING = "auto_micro_batch_size"  # in output_dir: the micro batch a restart of an auto run starts from
 
 
 class LiveBytes(TorchDispatchMode):
@@ -169,3 +176,150 @@ def auto_micro_batch_size(cfg: TrainConfig, model_config, env: DistEnv, at_most:
                           f"step {tried}); raise --memory_budget_mb, use gradient_checkpointing or mixed_precision")
     capped = f", at most {at_most} (an earlier out-of-memory error)" if at_most else ""
     return size, f"largest within the {limit}{capped}; peak per step {tried}"
+
+
+def auto_plan(cfg: TrainConfig, model_config, env: DistEnv, state: dict | None, schedule: tuple) -> BatchPlan:
+    """startup's batch plan under --micro_batch_size auto: the search, below the ceiling an
+    out-of-memory error left. It needs the process group: every rank must agree on the result."""
+    init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s)
+    micro_batch_size, chosen_by = auto_micro_batch_size(cfg, model_config, env, auto_ceiling(cfg, state))
+    return plan_batches(cfg.global_batch_size, micro_batch_size, env.world_size, chosen_by, schedule)
+
+
+def auto_ceiling(cfg: TrainConfig, state: dict | None) -> int:
+    """The largest micro batch a --micro_batch_size auto search may choose (0: no limit), left by an
+    out-of-memory error: the one the resumed checkpoint records, or the one noted after an error in
+    a synchronising micro-step."""
+    ceilings = [int(state["auto_micro_batch_ceiling"])] if state and state.get("auto_micro_batch_ceiling") else []
+    note = Path(cfg.output_dir) / AUTO_CEILING
+    noted = note.read_text().strip() if note.is_file() else ""
+    if noted.isdigit():
+        ceilings.append(int(noted))
+    return min(ceilings, default=0)
+
+
+def largest_divisor(per_rank: int, at_most: int) -> int:
+    """The largest micro batch up to `at_most` that divides `per_rank` (so the global batch stays
+    exact); 0 when `at_most` is below 1."""
+    return max((d for d in range(1, at_most + 1) if per_rank % d == 0), default=0)
+
+
+def largest_fitting(per_rank: int, fits: Callable[[int], bool], at_most: int = 0) -> int:
+    """The largest micro batch that fits, searched from `per_rank` (= global_batch_size /
+    world_size, accumulation 1; or its largest divisor up to `at_most`) down by halving: each
+    candidate is the largest divisor of `per_rank` at most half the last one, so the global batch
+    stays exact. 0 when even 1 does not fit."""
+    candidate = largest_divisor(per_rank, min(at_most or per_rank, per_rank))
+    while candidate and not fits(candidate):
+        candidate = largest_divisor(per_rank, candidate // 2)
+    return candidate
+
+
+class MicroBatchRetry:
+    """--micro_batch_size auto at run time (DDP or one process; docs/batch.md), as a Session keeps it
+    (session.Session.retry): an out-of-memory error in a micro-step that does not synchronise is
+    noted, the ranks agree once per window, and every rank drops the window and takes it again at
+    the next smaller micro batch (kept from then on). One in a synchronising micro-step stops the
+    job with one line; its restart continues at the smaller micro batch, noted in
+    output_dir/auto_micro_batch_size."""
+
+    def __init__(self, session):
+        run = session.run
+        self.session, self.env, self.sampler = session, run.env, session.sampler
+        self.note = Path(run.cfg.output_dir) / AUTO_CEILING
+        auto = run.cfg.micro_batch_size == "auto"
+        self.enabled = auto and run.launch.entry != "trainer" and run.launch.backend == "ddp" and not run.launch.fsdp
+        self.out_of_memory = False  # this rank ran out of memory in the current window
+        self.retrying = False  # the current window is dropped: it comes again in smaller micro-batches
+        self.retries = 0  # windows dropped since the last record
+        # the micro batch an out-of-memory error left (0: none): auto searches no higher
+        self.ceiling = auto_ceiling(run.cfg, run.recorded) if auto else 0
+
+    def windows(self, loader) -> Iterator[Window]:
+        """From the resume point on, each optimizer step's window (windows.windows_from). A window
+        dropped for an out-of-memory error comes again, cut into the smaller micro-batches, from the
+        same RNG state."""
+        done, total = self.session.run.start_step, self.session.run.total_steps
+        if not self.enabled:
+            yield from windows_from(loader, self.sampler, done, total)
+            return
+        random_state = None
+        while done < total:
+            for window in windows_from(loader, self.sampler, done, total):
+                if random_state is not None:  # a window taken again: from where the dropped attempt began
+                    set_rng_state(random_state)
+                random_state = rng_state()
+                yield window
+                if self.retrying:  # the loader starts again at this window, with the smaller micro batch
+                    self.retrying = False
+                    break
+                done, random_state = done + 1, None
+
+    def every_micro_step_syncs(self) -> bool:
+        """Whether each micro-step of this window runs a collective: with DDP on 2 or more processes,
+        without ddp_no_sync, and in the job's second window (its first forward rebuilds DDP's buckets)."""
+        return self.env.world_size > 1 and (not self.session.cfg.ddp_no_sync or self.session.job_steps == 1)
+
+    def micro_step(self, is_last: bool):
+        """Around one micro-step: an out-of-memory error is noted where the micro-step does not
+        synchronise, and stops the job where it does."""
+        return self._guard(is_last or self.every_micro_step_syncs()) if self.enabled else nullcontext()
+
+    @contextmanager
+    def _guard(self, syncs: bool):
+        try:
+            yield
+        except torch.OutOfMemoryError as err:
+            if not syncs:
+                self.out_of_memory = True
+                return
+            raise self._oom_in_sync(err) from None
+
+    def window_fits(self) -> bool:
+        """Before a window's synchronising micro-step: did every rank get through the others? One
+        tiny all-reduce per window (else always True). When not, every rank returns False: the
+        caller drops the window's gradients, and the window comes again, smaller."""
+        if not self.enabled or self.every_micro_step_syncs():  # nothing can have been noted
+            return True
+        failed = ranks_with(self.out_of_memory, self.env.device)
+        self.out_of_memory = False
+        if not failed:
+            return True
+        plan = self.sampler.plan
+        smaller = self.next_micro_batch()
+        if not smaller:
+            raise JobFailed(f"out of memory on {failed} process(es) at micro batch 1: not even one example fits; "
+                            "use gradient_checkpointing, mixed_precision or a shorter max_seq_len",
+                            agreed=True)
+        self.sampler.plan = replace(plan, micro_batch_size=smaller,
+                                    chosen_by=f"{smaller} after an out-of-memory error at {plan.micro_batch_size}")
+        self.retrying, self.retries, self.ceiling = True, self.retries + 1, smaller
+        if self.env.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the failed attempt held goes back to the device
+        return False
+
+    def next_micro_batch(self) -> int:
+        """The micro batch after an out-of-memory error: the largest divisor of the first global
+        batch's share at most half the current one (0 below 1)."""
+        plan = self.sampler.plan
+        return largest_divisor(plan.global_batch_size // self.env.world_size, plan.micro_batch_size // 2)
+
+    def _oom_in_sync(self, err: BaseException) -> JobFailed:
+        """The other ranks wait in this micro-step's all-reduce, so nothing can be agreed: the job
+        ends, and the next smaller micro batch is noted for the restart (auto_ceiling)."""
+        smaller = self.next_micro_batch()
+        if smaller:
+            self.note.write_text(f"{smaller}\n")
+        then = (f"its restart (torchrun --max_restarts, a requeue, --resume_from_checkpoint auto) continues from "
+                f"the newest checkpoint with micro batch {smaller} ({self.note})" if smaller else
+                "not even one example fits: use gradient_checkpointing, mixed_precision or a shorter max_seq_len")
+        return JobFailed(f"rank {self.env.rank} ran out of memory in a synchronising micro-step at micro batch "
+                         f"{self.sampler.plan.micro_batch_size} ({first_line(err)}); the job stops, {then}")
+
+    def record(self) -> dict:
+        """`oom_retries`: the windows dropped since the last record (none: no key)."""
+        retries, self.retries = self.retries, 0
+        return {"oom_retries": retries} if retries else {}
+
+    def state(self) -> dict:
+        return {"auto_micro_batch_ceiling": self.ceiling}

@@ -1,7 +1,7 @@
 """The gradient noise scale B_simple = tr(Σ) / |G|² (McCandlish et al. 2018, appendix A.1), from the
 squared gradient norms DDP's communication hook reads before and after its all-reduce: no extra
-backward pass. Smoothed by exponential moving averages; in examples. docs/batch.md derives the
-estimator and says how to read it.
+backward pass. Smoothed by exponential moving averages; in examples. The batch_schedule extra's:
+a Session records it through SessionNoise. docs/batch.md derives the estimator and says how to read it.
 """
 
 import torch
@@ -50,3 +50,39 @@ def read_norms(local_sq: torch.Tensor | None, reduced_sq: torch.Tensor | None,
         return None, None
     local_sum, reduced = sum_and_read([local_sq], [reduced_sq])
     return local_sum / world_size, reduced
+
+
+class SessionNoise:
+    """The noise scale as a Session keeps it (session.Session.noise): the squared norms join the
+    step's one all-reduce and read (Session.read_step), the estimate joins each step's record
+    (`grad_sq_norm`, `grad_trace`, `grad_noise_scale`) and its averages every checkpoint (`grad_noise`)."""
+
+    def __init__(self, session):
+        self.session = session
+        self.scale = NoiseScale(*session.run.recorded.get("grad_noise", ()))
+        self.norms: tuple[float | None, float | None] = (None, None)  # the latest step's, as update takes them
+        self.synced = False  # the latest step read DDP's buckets
+
+    def slots(self) -> tuple[list, list]:
+        """The step's squared norms for read_step: (summed over ranks, this rank's)."""
+        counter = self.session.sync_counter
+        local_sq, reduced_sq = counter.take_norms() if counter else (None, None)
+        self.synced = local_sq is not None
+        return [0.0 if local_sq is None else local_sq], [0.0 if reduced_sq is None else reduced_sq]
+
+    def read(self, values: list[float]) -> None:
+        """The slots' values as read_step read them."""
+        local, reduced = values
+        self.norms = (local / self.session.env.world_size, reduced) if self.synced else (None, None)
+
+    def record(self, window, values: dict) -> dict:
+        """The step's estimates, where every rank's gradient is of the same number of examples (not
+        in an epoch's uneven last window); not under fp16, whose loss scale changes the units."""
+        examples, world_size, cfg = len(window.examples), self.session.env.world_size, self.session.cfg
+        even = examples % world_size == 0 and cfg.ddp_no_sync
+        if not even or cfg.mixed_precision == "fp16" or values.get("step_skipped"):
+            return {}
+        return self.scale.update(*self.norms, examples, world_size)
+
+    def state(self) -> dict:
+        return {"grad_noise": self.scale.state()}

@@ -10,10 +10,12 @@ import torch
 from transformers import get_scheduler
 from transformers.optimization import Adafactor
 
-from .batch import BatchPlan, lr_batch_factor
+from .batch import BatchPlan
 from .config import TrainConfig
 from .distributed import full_norm
+from .extras import plug
 
+lr_batch_factor = plug("batch_schedule", "batch_schedule:lr_batch_factor", default=lambda cfg, plan: None)
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
 
 
@@ -57,7 +59,7 @@ def total_steps(cfg: TrainConfig, sampler) -> int:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps: int, plan: BatchPlan):
     """The lr schedule over `steps` optimizer steps, linear and cosine decaying to min_lr_ratio x
-    learning_rate; with lr_batch_scaling, each step's lr also scaled with its global batch (the
+    learning_rate; with lr_batch_scaling (batch_schedule), each step's lr also scaled with its global batch (the
     schedule counts the steps it applied: a skipped step, which leaves it where it is, is not counted)."""
     scheduler = get_scheduler(SCHEDULES[cfg.lr_scheduler_type], optimizer,
                               num_warmup_steps=cfg.warmup_steps, num_training_steps=steps)
@@ -65,7 +67,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps: i
         floor, warmup = cfg.min_lr_ratio, cfg.warmup_steps
         scheduler.lr_lambdas = [lambda step, f=f: f(step) if step < warmup else floor + (1 - floor) * f(step)
                                 for f in scheduler.lr_lambdas]
-    factor = lr_batch_factor(cfg.lr_batch_scaling, plan)
+    factor = lr_batch_factor(cfg, plan)
     if factor is not None:  # LambdaLR's own hook; 1 at step 0, so the first lr is unchanged
         scheduler.lr_lambdas = [lambda step, f=f: f(step) * factor(step) for f in scheduler.lr_lambdas]
     return scheduler

@@ -1,9 +1,9 @@
 """The running state of a job: the loop's one handle, built once the model is ready.
 
-A `Session` owns what changes while the job trains — the windows (and the out-of-memory retry),
-the record (metrics.jsonl, W&B, the progress line), the non-finite count, the stop signal, the
-noise scale — and decides when to evaluate, checkpoint and stop. What the job *is* stays in the
-frozen `startup.Run` it is built from.
+A `Session` owns what changes while the job trains — the windows, the record (metrics.jsonl,
+W&B, the progress line), the non-finite count, the stop signal, and the extras' parts (the
+out-of-memory retry, the noise scale) — and decides when to evaluate, checkpoint and stop. What
+the job *is* stays in the frozen `startup.Run` it is built from.
 """
 
 import math
@@ -18,11 +18,33 @@ from .distributed import print0, sum_and_read
 from .errors import JobFailed
 from .extras import plug
 from .model import save_weights
-from .noise import NoiseScale
 from .speed import compiled_graphs, flop_counts, training_flops
-from .startup import AUTO_CEILING, Run
+from .startup import Run
 from .tracking import Tracker
-from .windows import MicroBatchRetry, Window, windows_from
+from .windows import NoRetry, Window
+
+
+class NoNoise:
+    """No gradient noise scale: the core's place for the batch_schedule extra's noise.SessionNoise."""
+
+    def __init__(self, session):
+        pass
+
+    def slots(self) -> tuple[list, list]:
+        return [], []
+
+    def read(self, values: list[float]) -> None:
+        pass
+
+    def record(self, window: Window, values: dict) -> dict:
+        return {}
+
+    def state(self) -> dict:
+        return {}
+
+
+Retry = plug("auto_batch", "memory:MicroBatchRetry", default=NoRetry)  # micro_batch_size auto at run time
+Noise = plug("batch_schedule", "noise:SessionNoise", default=NoNoise)  # the gradient noise scale
 
 at_step = plug("doctor", "hangs:at_step", default=lambda step: None)  # the step a failed collective names
 # a checkpoint whose files an extra writes in the background: published later, by the `finish()` it gives
@@ -40,11 +62,9 @@ class Session:
         self.run, self.cfg, self.env = run, run.cfg, run.env
         self.sync_counter = sync_counter
         self.stop_signal = ""  # the preemption signal any rank got (SIGTERM before SIGUSR1), as of the latest read
-        self.noise_norms: tuple[float | None, float | None] = (None, None)  # the latest step's, for the noise scale
         self.sampler = run.sampler()
-        self.retry = MicroBatchRetry(run.adaptive, run.env, Path(run.cfg.output_dir) / AUTO_CEILING, self.sampler,
-                                     run.ceiling)
-        self.noise = NoiseScale(*run.noise_state)  # the gradient noise scale's running estimate
+        self.retry = Retry(self)  # the windows, taken again after an out-of-memory error where auto_batch is baked
+        self.noise = Noise(self)  # the gradient noise scale's running estimate (batch_schedule)
         self.job_steps = 0  # optimizer steps taken by this job (a resumed job starts again at 0)
         self.nonfinite: list[int] = []  # the latest consecutive non-finite steps
         self.stop_reason = ""
@@ -78,25 +98,21 @@ class Session:
 
     def windows(self, loader) -> Iterator[Window]:
         """From the resume point on, each optimizer step's window (windows.windows_from)."""
-        for window in windows_from(loader, self.sampler, self.retry, self.run.start_step, self.run.total_steps):
-            at_step(window.step)
+        for window in self.retry.windows(loader):
+            at_step(window.step)  # named in the line of a collective that fails (the doctor extra)
             yield window
 
-    def every_micro_step_syncs(self) -> bool:
-        """Whether each micro-step of this window runs a collective: with DDP on 2 or more processes,
-        without ddp_no_sync, and in the job's second window (its first forward rebuilds DDP's buckets)."""
-        return self.env.world_size > 1 and (not self.cfg.ddp_no_sync or self.job_steps == 1)
-
     def micro_step(self, is_last: bool):
-        """Around one micro-step of a loop (MicroBatchRetry.micro_step)."""
-        return self.retry.micro_step(is_last or self.every_micro_step_syncs())
+        """Around one micro-step of a loop: nothing, or micro_batch_size auto's out-of-memory guard."""
+        return self.retry.micro_step(is_last)
 
     def window_fits(self) -> bool:
-        """Before the window's synchronising micro-step (MicroBatchRetry.window_fits)."""
-        return self.retry.window_fits(self.every_micro_step_syncs())
+        """Before the window's synchronising micro-step: True, or False where micro_batch_size auto
+        ran out of memory on some rank (every rank then drops the window; it comes again, smaller)."""
+        return self.retry.window_fits()
 
     def state(self, step: int) -> dict:
-        return self.run.state(step, self.plan.micro_batch_size, self.retry.ceiling, self.noise.state())
+        return {**self.run.state(step, self.plan.micro_batch_size), **self.retry.state(), **self.noise.state()}
 
     def targets(self, window: Window) -> int:
         """The real targets of the whole window on every rank (at least 1): what each micro-step's
@@ -104,16 +120,15 @@ class Session:
         return max(int(self.example_targets[window.examples].sum()), 1)
 
     def read_step(self, loss_sum: torch.Tensor, grad_norm, num_targets: int, lr: float, micro_steps: int) -> dict:
-        """A step's record values in one collective and one device read: the ranks' summed loss,
-        preemption flags and (DDP) squared gradient norms, with the gradient norm and the averaged
-        gradient's squared norm (the same on every rank, so a non-finite step is skipped alike)."""
-        local_sq, reduced_sq = self.sync_counter.take_norms() if self.sync_counter else (None, None)
+        """A step's record values in one collective and one device read: the ranks' summed loss and
+        preemption flags, with the gradient norm (the same on every rank, so a non-finite step is
+        skipped alike), and the noise scale's squared norms where batch_schedule is baked."""
+        summed, kept = self.noise.slots()
         preemption = self.run.preemption
-        loss_total, signalled, terminated, local, reduced, norm = sum_and_read(
-            [loss_sum, preemption.received, preemption.terminated, 0.0 if local_sq is None else local_sq],
-            [0.0 if reduced_sq is None else reduced_sq, grad_norm])
+        read = sum_and_read([loss_sum, preemption.received, preemption.terminated, *summed], [*kept, grad_norm])
+        loss_total, signalled, terminated, norm = *read[:3], read[-1]
+        self.noise.read(read[3:-1])
         self.stop_signal = "SIGTERM" if terminated else "SIGUSR1" if signalled else ""
-        self.noise_norms = (None, None) if local_sq is None else (local / self.env.world_size, reduced)
         return {"loss": loss_total / num_targets, "lr": lr, "grad_norm": norm, "tokens": num_targets,
                 "micro_steps": micro_steps}
 
@@ -126,8 +141,7 @@ class Session:
         record = {"step": window.step, **values, "world_size": self.env.world_size,
                   "grad_accum_steps": window.grad_accum_steps, "micro_batch_size": window.micro_batch_size,
                   "global_batch_size": window.global_batch_size, "elapsed_s": round(elapsed_s, 3)}
-        if self.retry.retries:
-            record["oom_retries"], self.retry.retries = self.retry.retries, 0
+        record.update(self.retry.record())  # oom_retries, where micro_batch_size auto dropped a window
         lengths = self.input_lengths[window.examples]
         record["input_tokens"] = int(lengths.sum())
         if self.run.peak_flops and self.flop_counts and seconds > 0:
@@ -142,12 +156,7 @@ class Session:
         this job; a run whose steps keep being non-finite stops here (JobFailed, exit code 3)."""
         if self.sync_counter is not None:
             values.update(self.sync_counter.record())
-            # estimated where every rank's gradient is of the same number of examples (not in an
-            # epoch's uneven last window); not under fp16, whose loss scale changes the units
-            examples = len(window.examples)
-            even = examples % self.env.world_size == 0 and self.cfg.ddp_no_sync
-            if even and self.cfg.mixed_precision != "fp16" and not values.get("step_skipped"):
-                values.update(self.noise.update(*self.noise_norms, examples, self.env.world_size))
+        values.update(self.noise.record(window, values))
         self.tracker.log(self._record(window, values))
         self.job_steps += 1
         self._check_finite(window.step, values)

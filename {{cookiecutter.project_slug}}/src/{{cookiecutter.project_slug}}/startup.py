@@ -11,7 +11,7 @@ from pathlib import Path
 
 import transformers
 
-from .batch import BatchPlan, parse_schedule, plan_batches
+from .batch import BatchPlan, plan_batches
 from .checkpoint import (
     check_same_data,
     check_same_entry,
@@ -26,8 +26,8 @@ from .checkpoint import (
 from .config import TrainConfig
 from .distributed import DistEnv, PreemptionSignal, dist_env, init_distributed, print0
 from .errors import ConfigError, RunFinished
+from .extras import plug
 from .launch import Launch, check_back_end, check_launcher_env, deepspeed_config, launch_of
-from .memory import auto_micro_batch_size, check_auto_micro_batch
 from .model import load_tokenizer, model_config
 from .optim import total_steps
 from .output_lock import OutputLock
@@ -36,13 +36,18 @@ from .speed import matmul_precision, numel, peak_flops, set_tf32
 from .tracking import check_wandb
 from .windows import WindowSampler
 
-AUTO_CEILING = "auto_micro_batch_size"  # in output_dir: the micro batch a restart of an auto run starts from
+# global_batch_size_schedule (batch_schedule), else one global batch; micro_batch_size auto (auto_batch)
+schedule_of = plug("batch_schedule", "batch_schedule:schedule_of",
+                   default=lambda cfg, launch: ((0, cfg.global_batch_size),))
+check_auto_micro_batch = plug("auto_batch", "memory:check_auto_micro_batch")
+auto_plan = plug("auto_batch", "memory:auto_plan")
 
 
 @dataclass(frozen=True)
 class Run:
     """What this job is: fixed from start-up to the end (the micro batch aside, which an
-    out-of-memory error may lower at run time: session.py holds the current plan)."""
+    out-of-memory error may lower at run time where auto_batch is baked: session.py holds the
+    current plan)."""
 
     cfg: TrainConfig
     env: DistEnv
@@ -58,9 +63,7 @@ class Run:
     data_fingerprint: str  # of the training examples' content: a resume needs the same
     deepspeed: dict | None  # the DeepSpeed config, its "auto" keys filled
     peak_flops: float  # the device's peak FLOP/s; 0 where unknown (no mfu)
-    adaptive: bool  # micro_batch_size auto also at run time (windows.MicroBatchRetry)
-    ceiling: int  # the micro batch an out-of-memory error left (0: none)
-    noise_state: tuple  # the gradient noise scale's running estimate, from the checkpoint
+    recorded: dict  # the resumed checkpoint's state ({} for a fresh run): what the extras continue from
     preemption: PreemptionSignal  # SIGUSR1 and SIGTERM, listened for from start-up on
 
     def sampler(self) -> WindowSampler:
@@ -89,27 +92,13 @@ class Run:
         init_distributed(self.env, self.cfg.rendezvous_timeout_s, self.cfg.collective_timeout_s,
                          alone_too=self.launch.backend == "deepspeed")
 
-    def state(self, step: int, micro_batch_size: int, ceiling: int, noise: list[float]) -> dict:
+    def state(self, step: int, micro_batch_size: int) -> dict:
         """What a checkpoint (or the finished model) records besides its files: a later job checks
         it before it continues."""
         return {"step": step, "world_size": self.env.world_size, "entry": self.launch.entry,
                 "backend": self.launch.backend, "total_steps": self.total_steps,
                 "num_train_examples": len(self.data["train"]), "data_fingerprint": self.data_fingerprint,
-                "micro_batch_size": micro_batch_size,
-                "auto_micro_batch_ceiling": ceiling, "grad_noise": noise,
-                "config": self.cfg.to_dict(), "versions": library_versions()}
-
-
-def auto_ceiling(cfg: TrainConfig, state: dict | None) -> int:
-    """The largest micro batch a --micro_batch_size auto search may choose (0: no limit), left by an
-    out-of-memory error: the one the resumed checkpoint records, or the one noted after an error in
-    a synchronising micro-step."""
-    ceilings = [int(state["auto_micro_batch_ceiling"])] if state and state.get("auto_micro_batch_ceiling") else []
-    note = Path(cfg.output_dir) / AUTO_CEILING
-    noted = note.read_text().strip() if note.is_file() else ""
-    if noted.isdigit():
-        ceilings.append(int(noted))
-    return min(ceilings, default=0)
+                "micro_batch_size": micro_batch_size, "config": self.cfg.to_dict(), "versions": library_versions()}
 
 
 def make_output_dir(output_dir: str) -> None:
@@ -155,8 +144,8 @@ def start(cfg: TrainConfig, entry: str) -> Run:
     env = dist_env()
     quiet_libraries(env)
     launch = launch_of(cfg, entry)
-    schedule = parse_schedule(cfg.global_batch_size_schedule, cfg.global_batch_size)
-    check_back_end(cfg, env, launch, schedule)
+    schedule = schedule_of(cfg, launch)
+    check_back_end(cfg, env, launch)
     check_wandb(cfg)
     resume = resume_point(cfg)
     state, finished, lock = None, resume == final_dir(cfg.output_dir), OutputLock(cfg.output_dir)
@@ -169,15 +158,15 @@ def start(cfg: TrainConfig, entry: str) -> Run:
         make_output_dir(cfg.output_dir)
         lock.take(env)
     try:
-        return _start(cfg, entry, env, launch, schedule, resume, state, finished, preemption)
+        return _start(cfg, env, launch, schedule, resume, state, finished, preemption)
     except BaseException:
         lock.release()
         raise
 
 
-def _start(cfg: TrainConfig, entry: str, env: DistEnv, launch: Launch, schedule: tuple, resume: Path | None,
+def _start(cfg: TrainConfig, env: DistEnv, launch: Launch, schedule: tuple, resume: Path | None,
            state: dict | None, finished: bool, preemption: PreemptionSignal) -> Run:
-    auto, ceiling = cfg.micro_batch_size == "auto", 0
+    auto = cfg.micro_batch_size == "auto"  # (config.py allows it only where auto_batch is baked)
     if auto:
         check_auto_micro_batch(cfg, env)
     else:
@@ -192,16 +181,12 @@ def _start(cfg: TrainConfig, entry: str, env: DistEnv, launch: Launch, schedule:
         if finished:
             raise RunFinished(f"already done at step {state['step']}: {resume} (nothing changed)")
         note_versions(state, resume)
-    if auto:  # the one search needs the process group: every rank must agree on the result
-        init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s)
-        ceiling = auto_ceiling(cfg, state)
-        micro_batch_size, chosen_by = auto_micro_batch_size(cfg, config, env, ceiling)
-        plan = plan_batches(cfg.global_batch_size, micro_batch_size, env.world_size, chosen_by, schedule)
+    if auto:  # the ranks meet once, to agree on the micro batch
+        plan = auto_plan(cfg, config, env, state, schedule)
     check_launcher_env(plan)
     ds_config = deepspeed_config(cfg, plan, launch.deepspeed_path) if launch.on_accelerate else None
     set_tf32(cfg, env.device)
     run = Run(cfg, env, launch, plan, resume, int(state["step"]) if state else 0, 0, tokenizer, config, data,
               prepared.folder, prepared.fingerprint, ds_config, peak_flops(cfg, env.device),
-              adaptive=auto and entry != "trainer" and launch.backend == "ddp" and not launch.fsdp,
-              ceiling=ceiling, noise_state=tuple((state or {}).get("grad_noise", ())), preemption=preemption)
+              state or {}, preemption)
     return replace(run, total_steps=total_steps(cfg, run.sampler()))

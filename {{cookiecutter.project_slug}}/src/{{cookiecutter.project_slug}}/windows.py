@@ -1,31 +1,26 @@
 """Accumulation windows: the examples each optimizer step takes on this rank (WindowSampler), a
-step's facts carried as one value (Window), the arithmetic the hand-written loops share, and the
-out-of-memory retry of --micro_batch_size auto (MicroBatchRetry). docs/data.md gives the data
-order, docs/batch.md the retry's rules.
+step's facts carried as one value (Window) and the arithmetic the hand-written loops share; each
+window is taken once (NoRetry: the auto_batch extra's memory.MicroBatchRetry takes one again after
+an out-of-memory error). docs/data.md gives the data order.
 """
 
 import bisect
 import itertools
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-import torch
 from torch.utils.data import Sampler
 
-from .batch import BatchPlan, largest_divisor
-from .checkpoint import rng_state, set_rng_state
-from .distributed import DistEnv, ranks_with
-from .errors import JobFailed, first_line
+from .batch import BatchPlan
 
 
 @dataclass(frozen=True)
 class Window:
-    """One optimizer step's facts, derived once: the loops, the record, the evaluation and the
-    noise scale read them here."""
+    """One optimizer step's facts, derived once: the loops, the record and the evaluation read
+    them here."""
 
     step: int  # the optimizer step this window completes (1-based)
     micro_batches: list[dict]  # this rank's (empty where the Trainer draws them itself)
@@ -153,95 +148,37 @@ def finite(values: dict) -> bool:
     return math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])
 
 
-class MicroBatchRetry:
-    """--micro_batch_size auto at run time (DDP or one process; docs/batch.md): an out-of-memory
-    error in a micro-step that does not synchronise is noted, the ranks agree once per window, and
-    every rank drops the window and takes it again at the next smaller micro batch (kept from then
-    on). One in a synchronising micro-step stops the job with one line; its restart continues at
-    the smaller micro batch, noted in output_dir/auto_micro_batch_size."""
+class NoRetry:
+    """A Session's windows, each taken once: the core's place for micro_batch_size auto's
+    out-of-memory retry (the auto_batch extra's memory.MicroBatchRetry), whose calls do nothing here."""
 
-    def __init__(self, enabled: bool, env: DistEnv, note: Path, sampler: WindowSampler, ceiling: int):
-        self.enabled, self.env, self.note, self.sampler = enabled, env, note, sampler
-        self.out_of_memory = False  # this rank ran out of memory in the current window
-        self.retrying = False  # the current window is dropped: it comes again in smaller micro-batches
-        self.retries = 0  # windows dropped since the last record
-        self.ceiling = ceiling  # the micro batch an out-of-memory error left (0: none): auto searches no higher
+    def __init__(self, session):
+        self.session = session
 
-    @contextmanager
-    def micro_step(self, syncs: bool):
-        """Around one micro-step: an out-of-memory error is noted where the micro-step does not
-        synchronise (`syncs`), and stops the job where it does."""
-        if not self.enabled:
-            yield
-            return
-        try:
-            yield
-        except torch.OutOfMemoryError as err:
-            if not syncs:
-                self.out_of_memory = True
-                return
-            raise self._oom_in_sync(err) from None
+    def windows(self, loader) -> Iterator[Window]:
+        return windows_from(loader, self.session.sampler, self.session.run.start_step, self.session.run.total_steps)
 
-    def window_fits(self, every_micro_step_syncs: bool) -> bool:
-        """Before a window's synchronising micro-step: did every rank get through the others? One
-        tiny all-reduce per window (else always True). When not, every rank returns False: the
-        caller drops the window's gradients, and the window comes again, smaller."""
-        if not self.enabled or every_micro_step_syncs:  # nothing can have been noted
-            return True
-        failed = ranks_with(self.out_of_memory, self.env.device)
-        self.out_of_memory = False
-        if not failed:
-            return True
-        plan = self.sampler.plan
-        smaller = self.next_micro_batch()
-        if not smaller:
-            raise JobFailed(f"out of memory on {failed} process(es) at micro batch 1: not even one example fits; "
-                            "use gradient_checkpointing, mixed_precision or a shorter max_seq_len",
-                            agreed=True)
-        self.sampler.plan = plan.with_micro_batch(
-            smaller, f"{smaller} after an out-of-memory error at {plan.micro_batch_size}")
-        self.retrying, self.retries, self.ceiling = True, self.retries + 1, smaller
-        if self.env.device.type == "cuda":
-            torch.cuda.empty_cache()  # what the failed attempt held goes back to the device
-        return False
+    def micro_step(self, is_last: bool):
+        return nullcontext()
 
-    def next_micro_batch(self) -> int:
-        """The micro batch after an out-of-memory error: the largest divisor of the first global
-        batch's share at most half the current one (0 below 1)."""
-        plan = self.sampler.plan
-        return largest_divisor(plan.global_batch_size // self.env.world_size, plan.micro_batch_size // 2)
+    def window_fits(self) -> bool:
+        return True
 
-    def _oom_in_sync(self, err: BaseException) -> JobFailed:
-        """The other ranks wait in this micro-step's all-reduce, so nothing can be agreed: the job
-        ends, and the next smaller micro batch is noted for the restart (startup.auto_ceiling)."""
-        smaller = self.next_micro_batch()
-        if smaller:
-            self.note.write_text(f"{smaller}\n")
-        then = (f"its restart (torchrun --max_restarts, a requeue, --resume_from_checkpoint auto) continues from "
-                f"the newest checkpoint with micro batch {smaller} ({self.note})" if smaller else
-                "not even one example fits: use gradient_checkpointing, mixed_precision or a shorter max_seq_len")
-        return JobFailed(f"rank {self.env.rank} ran out of memory in a synchronising micro-step at micro batch "
-                         f"{self.sampler.plan.micro_batch_size} ({first_line(err)}); the job stops, {then}")
+    def record(self) -> dict:
+        return {}
+
+    def state(self) -> dict:
+        return {}
 
 
-def windows_from(loader, sampler: WindowSampler, retry: "MicroBatchRetry", start_step: int,
-                 total_steps: int) -> Iterator[Window]:
+def windows_from(loader, sampler: WindowSampler, start_step: int, total_steps: int) -> Iterator[Window]:
     """From `start_step` on, each optimizer step's window with this rank's micro-batches of `loader`
-    (the step's grad_accum_steps of them, fewer in an epoch's short last window). A window dropped
-    for an out-of-memory error comes again, cut into the smaller micro-batches, from the same RNG state."""
-    done, random_state = start_step, None
+    (the step's grad_accum_steps of them, fewer in an epoch's short last window)."""
+    done = start_step
     while done < total_steps:
-        epoch, s = sampler.epoch_of(done)
-        sampler.set_epoch(epoch, s)
+        epoch, first = sampler.epoch_of(done)
+        sampler.set_epoch(epoch, first)
         micro_batches = iter(loader)  # (draws the loader's seed from torch's generator)
-        if random_state is not None:  # a window taken again: from where the dropped attempt began
-            set_rng_state(random_state)
-        end = min(sampler.steps_per_epoch, s + total_steps - done)
-        while s < end:
-            window = sampler.window_at(done, [next(micro_batches) for _ in range(sampler.micro_steps(s))])
-            random_state = rng_state() if retry.enabled else None
-            yield window
-            if retry.retrying:  # the loader starts again at this window, with the smaller micro batch
-                retry.retrying = False
-                break
-            s, done = s + 1, done + 1
+        for s in range(first, min(sampler.steps_per_epoch, first + total_steps - done)):
+            yield sampler.window_at(done, [next(micro_batches) for _ in range(sampler.micro_steps(s))])
+            done += 1
