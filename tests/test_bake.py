@@ -28,39 +28,51 @@ TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".json", ".sh", ".sbatc
 
 
 LAUNCHERS = ("slurm", "kubernetes", "skypilot")
+EXTRAS = ("fsdp", "auto_batch", "batch_schedule", "doctor", "benchmarks")
+# What each extra adds to a bake ({pkg}: src/<slug>); benchmarks brings the three extras it measures.
+EXTRA_EXPECTED = {
+    "fsdp": {"{pkg}/fsdp.py", "{pkg}/sharding.py"},
+    "auto_batch": {"{pkg}/auto_batch.py", "{pkg}/memory.py", "tests/oom_injection.py", "tests/test_auto_batch.py",
+                   "docs/batch.md"},
+    "batch_schedule": {"{pkg}/batch_schedule.py", "{pkg}/noise.py", "tests/test_batch_schedule.py",
+                       "docs/batch.md", "docs/noise_scale.png"},
+    "doctor": {"{pkg}/doctor.py", "{pkg}/hangs.py", "tests/test_doctor.py", "tests/doctor_faults.py",
+               "tests/test_hangs.py", "tests/collective_mismatch.py"},
+    "benchmarks": {"tests/test_benchmarks.py", *(f"benchmarks/{m}.py" for m in (
+        "__main__", "abab", "checkpointing", "communication", "data", "harness", "library_loops", "loss_curves",
+        "memory", "overhead", "startup"))},
+}
+CORE_MODULES = ("__init__", "batch", "checkpoint", "cli", "config", "data", "data_cache", "distributed", "errors",
+                "evaluation", "extras", "launch", "model", "optim", "output_lock", "prepare", "prepare_data",
+                "session", "sources", "speed", "startup", "torchrun", "tracking", "windows")
 
 
-def expected_files(slug: str, entry_points: str, deepspeed_stage: str, launchers: tuple = LAUNCHERS) -> set[str]:
+def expected_files(slug: str, entry_points: str, deepspeed_stage: str, launchers: tuple = LAUNCHERS,
+                   extras: tuple = ()) -> set[str]:
     entries = ("pytorch", "accelerate", "trainer") if entry_points == "all" else (entry_points,)
     pkg = f"src/{slug}"
     files = {
         ".cookiecutter.json", ".gitignore", ".pre-commit-config.yaml", ".github/workflows/ci.yml", "Makefile",
         "README.md", "pyproject.toml", "configs/train.yaml", "configs/experiments/gpt2_small.yaml",
         "configs/experiments/long_context.yaml", "scripts/check_commit.py", "scripts/train_local.sh",
-        "scripts/flags.sh",
-        *(f"{pkg}/{m}.py" for m in ("__init__", "batch", "checkpoint", "cli", "config", "data",
-                                     "data_cache", "distributed", "errors", "evaluation", "launch", "memory", "model",
-                                     "noise", "optim", "output_lock", "prepare", "prepare_data", "session", "sharding",
-                                     "sources", "speed", "startup", "torchrun", "tracking", "windows", "doctor",
-                                     "hangs")),
-        *(f"docs/{name}.md" for name in ("batch", "data", "guarantees", "launching", "memory", "performance")),
+        "scripts/flags.sh", *(f"{pkg}/{m}.py" for m in CORE_MODULES),
+        *(f"docs/{name}.md" for name in ("data", "extending", "guarantees", "launching", "memory", "performance")),
         *(f"{pkg}/assets/data/{t}/{s}.jsonl" for t in TASKS for s in ("train", "validation")),
         f"{pkg}/assets/tokenizer/tokenizer.json", f"{pkg}/assets/tokenizer/tokenizer_config.json",
-        *(f"tests/{m}.py" for m in ("conftest", "oom_injection", "test_batch", "test_cli", "test_config",
-                                    "test_continue", "test_data", "test_output_lock", "fork_launcher", "sync_counting",
-                                    "test_faults", "test_inputs", "test_levers", "test_parity", "test_resume",
-                                    "test_scripts", "test_speed", "test_wandb", "test_doctor", "doctor_faults",
-                                    "test_hangs", "collective_mismatch", "test_elastic")),
-        "tests/test_benchmarks.py", "docs/loss_curves.png", "docs/noise_scale.png",
-        *(f"benchmarks/{m}.py" for m in ("__init__", "__main__", "abab", "bare_loop", "checkpointing", "common",
-                                         "communication", "data", "gpu_check", "library_loops", "loss_curves",
-                                         "memory", "overhead", "startup")),
+        *(f"tests/{m}.py" for m in ("conftest", "test_batch", "test_cli", "test_config", "test_continue", "test_data",
+                                    "test_output_lock", "fork_launcher", "sync_counting", "test_faults",
+                                    "test_inputs", "test_levers", "test_parity", "test_resume", "test_scripts",
+                                    "test_speed", "test_wandb", "test_elastic", "test_extras", "test_extending",
+                                    "test_model_factory", "factory_models", "test_gpu_check")),
+        "docs/loss_curves.png", *(f"benchmarks/{m}.py" for m in ("__init__", "bare_loop", "common", "gpu_check")),
     }
+    for extra in extras:
+        files |= {path.format(pkg=pkg) for path in EXTRA_EXPECTED[extra]}
     for entry in entries:
         files |= {f"{pkg}/train_{entry}.py", f"tests/test_{entry}.py"}
     if "trainer" in entries:
         files.add(f"{pkg}/trainer_adapters.py")
-    if "pytorch" in entries:
+    if "pytorch" in entries and "fsdp" in extras:
         files.add("tests/test_fsdp.py")
     sbatch = {"torchrun"}
     if entries != ("pytorch",):
@@ -112,6 +124,49 @@ def test_baked_project_is_lint_clean(baked, task, entry_points, deepspeed_stage)
     shellcheck = Path(sys.executable).parent / "shellcheck"
     check = subprocess.run([str(shellcheck), "-x", *scripts], cwd=project, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
+
+
+# `extras` answers, as typed, and the extras each bakes (any case, spaces around the names).
+EXTRAS_ANSWERS = {"none": (), "all": EXTRAS, "fsdp": ("fsdp",), "Doctor, auto_batch": ("auto_batch", "doctor"),
+                  "batch_schedule": ("batch_schedule",), "benchmarks": ("fsdp", "auto_batch", "batch_schedule",
+                                                                        "benchmarks")}
+CORE_SIZE = (27, 4400)  # the default bake's src/<slug>: at most this many modules and physical lines
+
+
+@pytest.mark.parametrize("extras", EXTRAS_ANSWERS)
+def test_each_extras_answer_bakes_its_files_lint_clean(baked, extras):
+    project = baked(extras=extras)
+    assert project_files(project) == expected_files("gacc_train", "all", "2", extras=EXTRAS_ANSWERS[extras])
+    for path in project.rglob("*"):
+        if path.is_file() and path.suffix in TEXT_SUFFIXES and "assets" not in path.parts:
+            text = path.read_text()
+            assert "{{" not in text and "{%" not in text, f"unrendered Jinja in {path}"
+    ruff = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=project,
+                          capture_output=True, text=True)
+    assert ruff.returncode == 0, ruff.stdout
+    scripts = [str(p) for p in project.glob("scripts/**/*") if p.suffix in (".sh", ".sbatch")]
+    check = subprocess.run([str(Path(sys.executable).parent / "shellcheck"), "-x", *scripts], cwd=project,
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+    modules = sorted((project / "src" / "gacc_train").glob("*.py"))
+    lines = sum(len(path.read_text().splitlines()) for path in modules)
+    report(f"extras={extras}: src/gacc_train holds {len(modules)} modules, {lines} lines")
+    if extras == "none":
+        assert len(modules) <= CORE_SIZE[0] and lines <= CORE_SIZE[1], (len(modules), lines)
+        train_step = (project / "src" / "gacc_train" / "train_pytorch.py").read_text().partition("def train_step")[2]
+        assert "ddp_model.no_sync()" in train_step.partition("\ndef ")[0]  # loop 1 shows DDP's no_sync itself
+
+
+def test_core_modules_hold_no_jinja_inside_functions():
+    """The core offers seams (extras.plug) and the extras plug in: a Jinja tag in a core module's
+    Python stands at the module's top level, never inside a function or class."""
+    slug = "{{cookiecutter.project_slug}}"
+    package = Path(__file__).resolve().parents[1] / slug / "src" / slug
+    extra_modules = {Path(path).name for files in EXTRA_EXPECTED.values() for path in files if path.startswith("{pkg}")}
+    for path in package.glob("*.py"):
+        if path.name not in extra_modules:
+            tags = [line for line in path.read_text().splitlines() if "{%" in line]
+            assert all(not line[:1].isspace() for line in tags), (path.name, tags)
 
 
 def test_slug_is_used_everywhere(baked):
