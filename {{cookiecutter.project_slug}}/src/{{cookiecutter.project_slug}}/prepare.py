@@ -1,6 +1,8 @@
 """Data preparation: the raw splits (sources.py) read and checked, tokenised (and packed), once,
 into data_cache_dir (data_cache.py), where every later run on the same data and settings finds it
-memory-mapped. docs/data.md tells the story.
+memory-mapped. Before a job (on a CPU node, say), with the training flags; docs/data.md tells the story:
+
+    python -m {{ cookiecutter.project_slug }}.prepare --config configs/train.yaml --dataset data/my_corpus
 """
 
 import contextlib
@@ -22,7 +24,7 @@ from .config import TrainConfig
 from .data import TARGETS, labels_for
 from .data_cache import HEARTBEAT_S, META_FILE, PreparationLock, cache_folder, checksums, content_fingerprint, damage
 from .errors import ConfigError, disk_full, interruptible
-from .model import count_targets
+from .model import count_targets, load_tokenizer
 from .sources import Source, check_source, find_source, join, quiet_datasets, read_raw, validate
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -249,3 +251,17 @@ def prepare(cfg: TrainConfig, tokenizer) -> Prepared:
         data = load_from_disk(str(folder))
     return Prepared(DatasetDict(train=data["train"], validation=data["validation"]), meta["num_labels"], folder,
                     meta["data_fingerprint"])
+
+
+def prepare_data(cfg: TrainConfig) -> None:
+    """The command line's preparation: the data prepared (or found), then one line saying what is ready."""
+    prepared = prepare(cfg, load_tokenizer(cfg))
+    data = prepared.data
+    print(f"ready: {len(data['train']):,} training and {len(data['validation']):,} validation "
+          f"{'blocks' if cfg.packing else 'examples'} in {prepared.folder}")
+
+
+if __name__ == "__main__":
+    from .cli import run_cli
+
+    run_cli(prepare_data)
