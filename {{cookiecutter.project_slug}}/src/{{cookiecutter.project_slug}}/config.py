@@ -1,9 +1,8 @@
 """The one training config, read by all three entry points.
 
-`configs/train.yaml` fills a `TrainConfig`; every field is also a command-line flag of the same
-name that overrides it (`--learning_rate 3e-4`). Unknown keys, unknown flags, wrong types and
-out-of-range values raise `ConfigError`, which the entry points turn into exit code 2 and one
-line on stderr.
+`configs/train.yaml` fills a `TrainConfig`; every field is also a flag of the same name that overrides
+it (`--learning_rate 3e-4`). Unknown keys and flags, wrong types and out-of-range values raise
+`ConfigError` (exit code 2, one line).
 """
 
 import argparse

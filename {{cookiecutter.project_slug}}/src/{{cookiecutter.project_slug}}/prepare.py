@@ -60,10 +60,9 @@ def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig, work: Path) -> Datas
 
 @contextlib.contextmanager
 def children_end_with_this_process():
-    """The processes forked within the block (tokenising workers, the pool's manager) end when this
-    one does, also when it is killed with SIGKILL: Linux's parent-death signal, asked for in each
-    child as it starts (elsewhere, only the pool's own clean-up). They leave Ctrl-C to this process
-    and end quietly on SIGTERM, which the pool's clean-up sends: this one answers for them."""
+    """The processes forked within the block (tokenising workers, the pool's manager) end when this one
+    does, also on SIGKILL (Linux's parent-death signal, asked for in each child as it starts); they
+    leave Ctrl-C to this process and end quietly on the SIGTERM of the pool's clean-up."""
     global _PARENT
     _PARENT = os.getpid()
     try:
@@ -254,9 +253,8 @@ def prepare(cfg: TrainConfig, tokenizer) -> Prepared:
 
 
 def prepare_data(cfg: TrainConfig) -> None:
-    """The command line's preparation: the data prepared (or found), then one line saying what is ready."""
-    prepared = prepare(cfg, load_tokenizer(cfg))
-    data = prepared.data
+    """`python -m ...prepare`: the data prepared (or found), then one line saying what is ready."""
+    data = (prepared := prepare(cfg, load_tokenizer(cfg))).data
     print(f"ready: {len(data['train']):,} training and {len(data['validation']):,} validation "
           f"{'blocks' if cfg.packing else 'examples'} in {prepared.folder}")
 
