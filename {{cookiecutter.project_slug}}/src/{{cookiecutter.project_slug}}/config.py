@@ -259,10 +259,7 @@ def render_yaml(cfg: TrainConfig | None = None) -> str:
 
 class _Parser(HfArgumentParser):
     """HfArgumentParser that raises ConfigError instead of printing usage and exiting, and takes no
-    abbreviations (`--learning-rat 1` is an unknown flag, not `--learning_rate`)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
+    abbreviations (`--learning-rat 1` is an unknown flag, not `--learning_rate`: load_config)."""
 
     @staticmethod
     def _parse_dataclass_field(parser, field):
@@ -325,7 +322,7 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     override earlier ones), then apply the command-line flags over them. `--help` lists every flag
     with the value the config files give it."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = _Parser(TrainConfig, description=__doc__.splitlines()[0])
+    parser = _Parser(TrainConfig, description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--config", action="append", help="YAML file(s) with the defaults; later ones win.")
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", action="append")
