@@ -448,7 +448,7 @@ def test_two_processes_prepare_the_data_once_and_a_second_start_reuses_it(env, c
 def test_the_data_can_be_prepared_before_the_job(env, corpus, tmp_path):
     cache = tmp_path / "cache"
     flags = {"dataset": corpus, "data_cache_dir": cache, "packing": "true"}
-    proc = subprocess.run([sys.executable, "-m", "{{ cookiecutter.project_slug }}.prepare_data", *flag_args(flags)],
+    proc = subprocess.run([sys.executable, "-m", "{{ cookiecutter.project_slug }}.prepare", *flag_args(flags)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("ready: ") and "training and" in proc.stdout

@@ -35,13 +35,9 @@ class BatchPlan:
 
     def table(self, max_seq_len: int) -> str:
         """The start-up table: micro x accum x world = global, and tokens per optimizer step."""
-        rows = [
-            ("micro_batch_size", self.micro_batch_size),
-            ("x grad_accum_steps", self.grad_accum_steps),
-            ("x world_size", self.world_size),
-            ("= global_batch_size", self.global_batch_size),
-            ("tokens/step (at most)", self.global_batch_size * max_seq_len),
-        ]
+        rows = [("micro_batch_size", self.micro_batch_size), ("x grad_accum_steps", self.grad_accum_steps),
+                ("x world_size", self.world_size), ("= global_batch_size", self.global_batch_size),
+                ("tokens/step (at most)", self.global_batch_size * max_seq_len)]
         lines = [f"  {name:<22}{value:>10}" for name, value in rows]
         if self.chosen_by:
             lines[0] += f"   (auto: {self.chosen_by})"
@@ -56,9 +52,7 @@ def plan_batches(global_batch_size: int, micro_batch_size: int, world_size: int,
     ((from_step, global batch), ...) from step 0; empty: global_batch_size throughout."""
     per_micro_step = micro_batch_size * world_size
     if global_batch_size % per_micro_step:
-        raise ConfigError(
-            f"global_batch_size {global_batch_size} is not divisible by micro_batch_size "
-            f"{micro_batch_size} x world_size {world_size} = {per_micro_step}; use a multiple of "
-            f"{per_micro_step} or another micro_batch_size"
-        )
+        raise ConfigError(f"global_batch_size {global_batch_size} is not divisible by micro_batch_size "
+                          f"{micro_batch_size} x world_size {world_size} = {per_micro_step}; use a multiple of "
+                          f"{per_micro_step} or another micro_batch_size")
     return BatchPlan(micro_batch_size, world_size, schedule or ((0, global_batch_size),), chosen_by)

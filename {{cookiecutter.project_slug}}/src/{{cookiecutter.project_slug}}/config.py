@@ -1,9 +1,8 @@
 """The one training config, read by all three entry points.
 
-`configs/train.yaml` fills a `TrainConfig`; every field is also a command-line flag of the same
-name that overrides it (`--learning_rate 3e-4`). Unknown keys, unknown flags, wrong types and
-out-of-range values raise `ConfigError`, which the entry points turn into exit code 2 and one
-line on stderr.
+`configs/train.yaml` fills a `TrainConfig`; every field is also a flag of the same name that overrides
+it (`--learning_rate 3e-4`). Unknown keys and flags, wrong types and out-of-range values raise
+`ConfigError` (exit code 2, one line).
 """
 
 import argparse
@@ -260,10 +259,7 @@ def render_yaml(cfg: TrainConfig | None = None) -> str:
 
 class _Parser(HfArgumentParser):
     """HfArgumentParser that raises ConfigError instead of printing usage and exiting, and takes no
-    abbreviations (`--learning-rat 1` is an unknown flag, not `--learning_rate`)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
+    abbreviations (`--learning-rat 1` is an unknown flag, not `--learning_rate`: load_config)."""
 
     @staticmethod
     def _parse_dataclass_field(parser, field):
@@ -326,7 +322,7 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     override earlier ones), then apply the command-line flags over them. `--help` lists every flag
     with the value the config files give it."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = _Parser(TrainConfig, description=__doc__.splitlines()[0])
+    parser = _Parser(TrainConfig, description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--config", action="append", help="YAML file(s) with the defaults; later ones win.")
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", action="append")

@@ -46,15 +46,9 @@ def labels_for(example: dict, task: str) -> torch.Tensor:
 
 
 class Collator:
-    """Pads input_ids on the right with the pad token. Labels: each example's (labels_for), -100 on
-    padding; a filler example's are all -100.
-
-    attention_mask (1 on the real tokens) only for classification, where the model may attend both
-    ways. A causal LM gets none: causal attention never lets a real token see the padding on its
-    right (packed blocks have none), so no real token's output changes, and without a mask an eager
-    model hands SDPA `is_causal=True` and no dense mask (the flash kernel on GPUs). Under
-    torch.compile transformers cannot take that shortcut (docs/performance.md).
-    """
+    """Pads input_ids on the right with the pad token; labels by labels_for, -100 on padding and on a
+    filler example. attention_mask only for classification: causal attention never lets a real token
+    see the padding on its right, and without a mask SDPA gets `is_causal=True` (docs/performance.md)."""
 
     def __init__(self, tokenizer, task: str):
         self.pad_token_id, self.task = tokenizer.pad_token_id, task
@@ -97,11 +91,9 @@ def train_dataloader(train_set, sampler, collator: Collator, **loading_kwargs) -
 
 def eval_dataloader(eval_set, rank: int, world_size: int, batch_size: int,
                     collator: Collator, **loading_kwargs) -> DataLoader:
-    """This rank's strided share of the evaluation set: every example exactly once overall.
-
-    Every rank runs the same number of batches (that of rank 0, which has the largest share): a
-    rank with fewer runs a filler batch (no real targets) for each one it lacks, since a sharded
-    model's forward (ZeRO-3, FSDP) is a collective that all ranks must join."""
+    """This rank's strided share of the evaluation set (every example exactly once overall), in as many
+    batches as rank 0's: a rank with fewer runs filler batches, since a sharded model's forward (ZeRO-3,
+    FSDP) is a collective that all ranks must join."""
     shard = list(range(rank, len(eval_set), world_size))
     batches = [[(i, True) for i in shard[j:j + batch_size]] for j in range(0, len(shard), batch_size)]
     per_rank = math.ceil(math.ceil(len(eval_set) / world_size) / batch_size)

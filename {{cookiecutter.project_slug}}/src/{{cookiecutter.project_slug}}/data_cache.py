@@ -118,10 +118,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def cache_folder(cfg: TrainConfig, source, tokenizer) -> Path:
-    """The prepared data's folder in data_cache_dir: its name holds a hash of everything that
-    changes it (every key declared data=True in config.py, the source files and the tokenizer by
-    their content, the preparing code by its source), so a sweep over one corpus shares it whatever
-    the output_dir, and a changed file, setting or preparing code prepares anew."""
+    """The prepared data's folder in data_cache_dir, named by a hash of everything that changes it: the
+    keys declared data=True, the source files, the tokenizer and the preparing code (a sweep over one
+    corpus shares it whatever the output_dir; a changed file, setting or code prepares anew)."""
     values = {name: getattr(cfg, name) for name in keys_where(data=True)}
     values.update(dataset=source_fingerprint(source), model_name_or_path=tokenizer_fingerprint(tokenizer),
                   code=code_fingerprint())
@@ -131,12 +130,10 @@ def cache_folder(cfg: TrainConfig, source, tokenizer) -> Path:
 
 
 class PreparationLock:
-    """One process per filesystem prepares a dataset; the others (on every node that shares
-    data_cache_dir) wait for it. The lock is a file created exclusively (atomic on local and NFS
-    filesystems), kept fresh by a heartbeat while its holder works. A holder on this host that no
-    longer runs is gone at once; elsewhere, one whose heartbeat is older than STALE_S: the next
-    process takes over. A data error the holder
-    finds is left in an error file, which each waiting process reports as its own one line."""
+    """One process per filesystem prepares a dataset, the others wait: a file created exclusively (atomic
+    on local and NFS filesystems), its heartbeat kept fresh while its holder works. A holder gone (at once
+    on this host, else after STALE_S without a beat) is taken over; a data error it found is left in an
+    error file, which each waiting process reports as its own one line."""
 
     def __init__(self, folder: Path):
         self.path, self.error = folder.with_name(folder.name + ".lock"), folder.with_name(folder.name + ".error")

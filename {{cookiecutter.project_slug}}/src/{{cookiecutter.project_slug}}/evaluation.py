@@ -14,20 +14,16 @@ from .model import count_targets, summed_loss
 
 
 def classification_metrics(confusion: np.ndarray) -> dict[str, float]:
-    """Accuracy and F1 from a confusion matrix (rows: truth, columns: prediction).
-
-    F1 is that of class 1 for two classes (the usual binary F1), else the macro average.
-    """
+    """Accuracy and F1 from a confusion matrix (rows: truth, columns: prediction); F1 is that of class 1
+    for two classes (the usual binary F1), else the macro average."""
     confusion = np.asarray(confusion, dtype=np.float64)
     tp = np.diag(confusion)
     precision = np.divide(tp, confusion.sum(0), out=np.zeros_like(tp), where=confusion.sum(0) > 0)
     recall = np.divide(tp, confusion.sum(1), out=np.zeros_like(tp), where=confusion.sum(1) > 0)
     denom = precision + recall
     f1 = np.divide(2 * precision * recall, denom, out=np.zeros_like(tp), where=denom > 0)
-    return {
-        "eval_accuracy": float(tp.sum() / max(confusion.sum(), 1.0)),
-        "eval_f1": float(f1[1] if len(f1) == 2 else f1.mean()),
-    }
+    return {"eval_accuracy": float(tp.sum() / max(confusion.sum(), 1.0)),
+            "eval_f1": float(f1[1] if len(f1) == 2 else f1.mean())}
 
 
 def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_labels: int) -> np.ndarray:

@@ -36,12 +36,9 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _hub_error(name: str, err: Exception) -> ConfigError:
-    reason = first_line(err)
     where = "local path" if Path(name).exists() else "model"
-    return ConfigError(
-        f"cannot load {where} {name!r} ({reason}); use model_name_or_path: tiny, a local path, "
-        "or a hub name while the hub is reachable"
-    )
+    return ConfigError(f"cannot load {where} {name!r} ({first_line(err)}); use model_name_or_path: tiny, a local path, "
+                       "or a hub name while the hub is reachable")
 
 
 def load_tokenizer(cfg: TrainConfig):
@@ -63,25 +60,16 @@ def model_config(cfg: TrainConfig, tokenizer, num_labels: int = 2):
         model_factory(cfg.model_factory)
         config = PretrainedConfig(vocab_size=len(tokenizer))
     elif cfg.model_name_or_path == TINY:
-        config = LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=max(128, cfg.max_seq_len),
-            tie_word_embeddings=True,
-            attention_dropout=0.0,
-        )
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                             max_position_embeddings=max(128, cfg.max_seq_len), attention_dropout=0.0)
     else:
         try:
             config = AutoConfig.from_pretrained(cfg.model_name_or_path)
         except (OSError, ValueError) as err:
             raise _hub_error(cfg.model_name_or_path, err) from None
-    config.pad_token_id = tokenizer.pad_token_id
-    config.bos_token_id = tokenizer.bos_token_id
-    config.eos_token_id = tokenizer.eos_token_id
+    for special in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        setattr(config, special, getattr(tokenizer, special))
     if cfg.task == "sequence_classification":
         head = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
         if head and config.num_labels != num_labels:
@@ -121,10 +109,9 @@ def factory_arguments(cfg: TrainConfig, config) -> dict:
 
 
 def build_factory_model(cfg: TrainConfig, vocab_size: int, num_labels: int | None) -> torch.nn.Module:
-    """The model_factory's model, checked with one forward of two tokens (in eval mode: no dropout
-    drawn) before the first collective, every rank finding the same mistake: it must return logits
-    of `num_labels` classes, or `vocab_size` for each token. What an option needs and it lacks is
-    refused here; the forward hook gives the `.logits` every loop reads."""
+    """The model_factory's model, checked before the first collective (every rank finds the same mistake)
+    with one forward of two tokens in eval mode: logits of `num_labels`, or `vocab_size` per token. What an
+    option needs and it lacks is refused here; the forward hook gives the `.logits` every loop reads."""
     torch.manual_seed(cfg.seed)
     model = model_factory(cfg.model_factory)(vocab_size=vocab_size, num_labels=num_labels, cfg=cfg)
     where = f"model_factory {cfg.model_factory!r}"

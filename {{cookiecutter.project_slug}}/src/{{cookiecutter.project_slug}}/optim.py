@@ -24,10 +24,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ZeRO-3 a partitioned parameter's own tensor is flat and empty; DeepSpeed keeps the shape in ds_shape)."""
     params = [p for p in model.parameters() if p.requires_grad]
     matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
-    return [
-        {"params": [p for p, m in zip(params, matrix, strict=True) if m], "weight_decay": weight_decay},
-        {"params": [p for p, m in zip(params, matrix, strict=True) if not m], "weight_decay": 0.0},
-    ]
+    return [{"params": [p for p, m in zip(params, matrix, strict=True) if m], "weight_decay": weight_decay},
+            {"params": [p for p, m in zip(params, matrix, strict=True) if not m], "weight_decay": 0.0}]
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -38,8 +36,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
         return torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=fused)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.learning_rate, momentum=0.0)
-    return Adafactor(groups, lr=cfg.learning_rate, scale_parameter=False, relative_step=False,
-                     warmup_init=False)
+    return Adafactor(groups, lr=cfg.learning_rate, scale_parameter=False, relative_step=False, warmup_init=False)
 
 
 def clip_gradients(model: torch.nn.Module, max_grad_norm: float) -> torch.Tensor:

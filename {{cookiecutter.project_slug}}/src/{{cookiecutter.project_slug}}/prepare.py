@@ -1,6 +1,8 @@
 """Data preparation: the raw splits (sources.py) read and checked, tokenised (and packed), once,
 into data_cache_dir (data_cache.py), where every later run on the same data and settings finds it
-memory-mapped. docs/data.md tells the story.
+memory-mapped. Before a job (on a CPU node, say), with the training flags; docs/data.md tells the story:
+
+    python -m {{ cookiecutter.project_slug }}.prepare --config configs/train.yaml --dataset data/my_corpus
 """
 
 import contextlib
@@ -22,7 +24,7 @@ from .config import TrainConfig
 from .data import TARGETS, labels_for
 from .data_cache import HEARTBEAT_S, META_FILE, PreparationLock, cache_folder, checksums, content_fingerprint, damage
 from .errors import ConfigError, disk_full, interruptible
-from .model import count_targets
+from .model import count_targets, load_tokenizer
 from .sources import Source, check_source, find_source, join, quiet_datasets, read_raw, validate
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -58,10 +60,9 @@ def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig, work: Path) -> Datas
 
 @contextlib.contextmanager
 def children_end_with_this_process():
-    """The processes forked within the block (tokenising workers, the pool's manager) end when this
-    one does, also when it is killed with SIGKILL: Linux's parent-death signal, asked for in each
-    child as it starts (elsewhere, only the pool's own clean-up). They leave Ctrl-C to this process
-    and end quietly on SIGTERM, which the pool's clean-up sends: this one answers for them."""
+    """The processes forked within the block (tokenising workers, the pool's manager) end when this one
+    does, also on SIGKILL (Linux's parent-death signal, asked for in each child as it starts); they
+    leave Ctrl-C to this process and end quietly on the SIGTERM of the pool's clean-up."""
     global _PARENT
     _PARENT = os.getpid()
     try:
@@ -249,3 +250,16 @@ def prepare(cfg: TrainConfig, tokenizer) -> Prepared:
         data = load_from_disk(str(folder))
     return Prepared(DatasetDict(train=data["train"], validation=data["validation"]), meta["num_labels"], folder,
                     meta["data_fingerprint"])
+
+
+def prepare_data(cfg: TrainConfig) -> None:
+    """`python -m ...prepare`: the data prepared (or found), then one line saying what is ready."""
+    data = (prepared := prepare(cfg, load_tokenizer(cfg))).data
+    print(f"ready: {len(data['train']):,} training and {len(data['validation']):,} validation "
+          f"{'blocks' if cfg.packing else 'examples'} in {prepared.folder}")
+
+
+if __name__ == "__main__":
+    from .cli import run_cli
+
+    run_cli(prepare_data)

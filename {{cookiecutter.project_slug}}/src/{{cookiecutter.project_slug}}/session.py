@@ -1,13 +1,12 @@
-"""The running state of a job: the loop's one handle, built once the model is ready.
-
-A `Session` owns what changes while the job trains — the windows, the record (metrics.jsonl,
-W&B, the progress line), the non-finite count, the stop signal, and the extras' parts (the
-out-of-memory retry, the noise scale) — and decides when to evaluate, checkpoint and stop. What
-the job *is* stays in the frozen `startup.Run` it is built from.
+"""The running state of a job, the loop's one handle (`Session`, built once the model is ready): the
+windows, the record (metrics.jsonl, W&B, the progress line), the non-finite count, the stop signal and
+the extras' parts; it decides when to evaluate, checkpoint and stop. What the job *is* stays in the
+frozen `startup.Run` it is built from.
 """
 
 import math
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -21,14 +20,25 @@ from .model import save_weights
 from .speed import compiled_graphs, flop_counts, training_flops
 from .startup import Run
 from .tracking import Tracker
-from .windows import NoRetry, Window
+from .windows import Window, windows_from
 
 
-class NoNoise:
-    """No gradient noise scale: the core's place for the batch_schedule extra's noise.SessionNoise."""
+class Without:
+    """An extra's part of a Session where that extra is not baked: each window taken once (auto_batch's
+    memory.MicroBatchRetry takes one again after an out-of-memory error) and no noise scale (batch_schedule's
+    noise.SessionNoise)."""
 
     def __init__(self, session):
-        pass
+        self.session = session
+
+    def windows(self, loader) -> Iterator[Window]:
+        return windows_from(loader, self.session.sampler, self.session.run.start_step, self.session.run.total_steps)
+
+    def micro_step(self, is_last: bool):
+        return nullcontext()
+
+    def window_fits(self) -> bool:
+        return True
 
     def slots(self) -> tuple[list, list]:
         return [], []
@@ -36,15 +46,15 @@ class NoNoise:
     def read(self, values: list[float]) -> None:
         pass
 
-    def record(self, window: Window, values: dict) -> dict:
+    def record(self, *window_and_values) -> dict:
         return {}
 
     def state(self) -> dict:
         return {}
 
 
-Retry = plug("auto_batch", "memory:MicroBatchRetry", default=NoRetry)  # micro_batch_size auto at run time
-Noise = plug("batch_schedule", "noise:SessionNoise", default=NoNoise)  # the gradient noise scale
+Retry = plug("auto_batch", "memory:MicroBatchRetry", default=Without)  # micro_batch_size auto at run time
+Noise = plug("batch_schedule", "noise:SessionNoise", default=Without)  # the gradient noise scale
 
 at_step = plug("doctor", "hangs:at_step", default=lambda step: None)  # the step a failed collective names
 # a checkpoint whose files an extra writes in the background: published later, by the `finish()` it gives

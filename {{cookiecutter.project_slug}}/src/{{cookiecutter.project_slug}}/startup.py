@@ -1,8 +1,6 @@
-"""Start-up: everything decided once, before the first optimizer step, as one frozen `Run`.
-
-`start()` makes every up-front check a user's mistake can fail (errors.ConfigError), then reads
-the resume point, the data, the tokenizer and the batch plan. The loop's running state is
-session.py's.
+"""Start-up: everything decided once, before the first optimizer step, as one frozen `Run`. `start()`
+makes every up-front check a user's mistake can fail (errors.ConfigError), then reads the resume
+point, the data, the tokenizer and the batch plan. The loop's running state is session.py's.
 """
 
 import os
@@ -45,9 +43,8 @@ auto_plan = plug("auto_batch", "memory:auto_plan")
 
 @dataclass(frozen=True)
 class Run:
-    """What this job is: fixed from start-up to the end (the micro batch aside, which an
-    out-of-memory error may lower at run time where auto_batch is baked: session.py holds the
-    current plan)."""
+    """What this job is, fixed from start-up to the end (but the micro batch, which auto_batch's
+    out-of-memory retry may lower: session.py holds the current plan)."""
 
     cfg: TrainConfig
     env: DistEnv
@@ -134,12 +131,9 @@ def check_batch_fits_data(cfg: TrainConfig, schedule: tuple, examples: int) -> N
 
 
 def start(cfg: TrainConfig, entry: str) -> Run:
-    """Every up-front check, then the run's facts. With --micro_batch_size auto the ranks meet once,
-    to agree on the micro batch; every check after that fails the same way on every rank. A finished
-    run is compared (its data too) and answered without the lock: it changes no file; any other job
-    holds output_dir's lock from here to its end. The preemption signals are listened for from the
-    first line: SIGUSR1 while the data is prepared stops the run at its first step (SIGTERM there
-    stops it at once, leaving nothing half written: errors.interruptible)."""
+    """Every up-front check, then the run's facts. A finished run is compared (its data too) and answered
+    without output_dir's lock, which any other job holds from here to its end. The preemption signals are
+    listened for from the first line (SIGUSR1 while the data is prepared stops the run at its first step)."""
     preemption = PreemptionSignal()
     env = dist_env()
     quiet_libraries(env)

@@ -1,8 +1,7 @@
-"""What train_trainer.py puts into the HF `Trainer` so that it trains exactly as the other two
-entry points do, each adapter replacing one library default through the Trainer's public hooks:
-WindowTrainer (data order, optimizer and schedule, fp16 scale, console), WindowLoss (the loss
-normalisation), RunRecorder (records, non-finite steps, checkpoints, stopping), eval_summaries and
-compute_metrics (evaluation by real targets).
+"""What train_trainer.py puts into the HF `Trainer` so that it trains exactly as the other two entry
+points do, each adapter replacing a library default through the Trainer's public hooks: WindowTrainer,
+WindowLoss (the loss normalisation), RunRecorder (records, non-finite steps, checkpoints, stopping),
+eval_summaries and compute_metrics (evaluation by real targets).
 """
 
 from pathlib import Path
@@ -24,19 +23,14 @@ from .windows import finite
 class WindowTrainer(Trainer):
     """The Trainer with six of its defaults replaced:
 
-    - `get_train_dataloader` returns the project's window loader instead of the Trainer's own
-      sampler over the dataset, whose order depends on the world size: every entry point then sees
-      the same micro-batches in the same windows;
-    - `create_optimizer` / `create_scheduler` return the project's (optim.py) instead of those the
-      Trainer builds from TrainingArguments (with DeepSpeed it would ignore an optimizer passed in);
-    - the fp16 loss scaler starts at `fp16_init_scale` (Accelerate's default is 2**16), set through
-      the scaler's own state, which a resumed checkpoint then overwrites;
-    - the Trainer's per-step dict on the console gives way to the project's progress line;
-    - `floating_point_ops` (the documented hook) returns 0: the Trainer's own FLOP count walks the
-      model's parameters on every micro-step; the project counts FLOPs once (speed.training_flops);
-    - a model_factory model (not a PreTrainedModel) is saved and loaded as the other entry points
-      do it (model.save_weights, safetensors' load_model), not as a bare state dict, which
-      safetensors refuses for tied weights and the Trainer loads without its tied copies.
+    - `get_train_dataloader`: the project's window loader, not a sampler whose order depends on the
+      world size, so every entry point sees the same micro-batches in the same windows;
+    - `create_optimizer` / `create_scheduler`: the project's (optim.py), which DeepSpeed would ignore if passed in;
+    - the fp16 loss scaler starts at `fp16_init_scale` (through its own state, which a resume overwrites);
+    - the project's progress line instead of the Trainer's per-step dict on the console;
+    - `floating_point_ops` returns 0: the Trainer's FLOP count walks the parameters every micro-step;
+    - a model_factory model is saved and loaded as the other entry points do it (model.save_weights,
+      safetensors' load_model), not as a bare state dict, which safetensors refuses for tied weights.
     """
 
     def __init__(self, *args, session, train_loader, **kwargs):
@@ -111,21 +105,18 @@ class WindowLoss:
 class RunRecorder(TrainerCallback):
     """Replaces the Trainer's logging and adds what it lacks, as the other entry points do it:
 
-    - the record of each optimizer step (metrics.jsonl, W&B, the progress line) with their keys; the
-      lr is read before the optimizer step, since the Trainer logs the one after the scheduler moved;
-    - a step whose loss or gradients are not finite is skipped on every rank: without gradients the
-      optimizer's step changes nothing, and the schedule the Trainer moved is put back (DeepSpeed
-      skips such a step itself);
-    - each checkpoint the Trainer wrote (checkpoint-<N>) is published atomically as step_<N>;
-    - --stop_after_steps and the preemption signal end the job with a checkpoint; a job stopped
-      mid-epoch leaves that epoch's evaluation to the resumed job.
+    - each optimizer step's record with their keys (the lr read before the scheduler moves it);
+    - a step whose loss or gradients are not finite is skipped on every rank: its gradients dropped,
+      the schedule the Trainer moved put back (DeepSpeed skips such a step itself);
+    - each checkpoint-<N> the Trainer wrote is published atomically as step_<N>;
+    - --stop_after_steps and the preemption signal end the job with a checkpoint (a job stopped
+      mid-epoch leaves that epoch's evaluation to the resumed job).
     """
 
     def __init__(self, session, trainer, loss: WindowLoss):
         self.session, self.trainer, self.loss = session, trainer, loss
         self.values: dict = {}
-        self.finite, self.schedule = True, None
-        self.stopped = False
+        self.finite, self.schedule, self.stopped = True, None, False
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.session.sync_counter = sync_counter_for(self.trainer.model_wrapped)

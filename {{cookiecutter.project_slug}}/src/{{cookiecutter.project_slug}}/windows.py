@@ -1,14 +1,12 @@
 """Accumulation windows: the examples each optimizer step takes on this rank (WindowSampler), a
-step's facts carried as one value (Window) and the arithmetic the hand-written loops share; each
-window is taken once (NoRetry: the auto_batch extra's memory.MicroBatchRetry takes one again after
-an out-of-memory error). docs/data.md gives the data order.
+step's facts carried as one value (Window) and the arithmetic the hand-written loops share.
+docs/data.md gives the data order.
 """
 
 import bisect
 import itertools
 import math
 from collections.abc import Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,21 +30,14 @@ class Window:
 
 
 class WindowSampler(Sampler):
-    """Yields this rank's micro-batches, one accumulation window (optimizer step) after another.
-
-    Each micro-batch is a list of `(index, real)` pairs; `real` is False only in filler
-    micro-batches (docs/data.md). Steps are counted over the run (the schedule's global batch
-    follows them) and, within an epoch, from its first step.
-    """
+    """Yields this rank's micro-batches, one accumulation window (optimizer step) after another: lists of
+    `(index, real)` pairs, `real` False only in filler micro-batches (docs/data.md). Steps are counted
+    over the run (the schedule's global batch follows them) and, within an epoch, from its first step."""
 
     def __init__(self, num_examples: int, plan: BatchPlan, rank: int, seed: int, min_rows: int = 1):
-        self.num_examples = num_examples
+        self.num_examples, self.plan, self.rank, self.seed = num_examples, plan, rank, seed
         self.min_rows = min_rows  # filler rows make up the difference (at most micro_batch_size)
-        self.plan = plan
-        self.rank = rank
-        self.seed = seed
-        self.epoch = 0
-        self.start_step = 0
+        self.epoch, self.start_step = 0, 0
         self._drawn: tuple[int, np.ndarray] | None = None  # (epoch, its permutation): drawn once per epoch
         self._firsts = [0]  # the run's step at which each epoch begins (and the one after the last known)
         self._sizes: tuple[int, tuple[list[int], list[int]]] | None = None  # (epoch, _epoch(epoch))
@@ -146,29 +137,6 @@ class WindowSampler(Sampler):
 
 def finite(values: dict) -> bool:
     return math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])
-
-
-class NoRetry:
-    """A Session's windows, each taken once: the core's place for micro_batch_size auto's
-    out-of-memory retry (the auto_batch extra's memory.MicroBatchRetry), whose calls do nothing here."""
-
-    def __init__(self, session):
-        self.session = session
-
-    def windows(self, loader) -> Iterator[Window]:
-        return windows_from(loader, self.session.sampler, self.session.run.start_step, self.session.run.total_steps)
-
-    def micro_step(self, is_last: bool):
-        return nullcontext()
-
-    def window_fits(self) -> bool:
-        return True
-
-    def record(self) -> dict:
-        return {}
-
-    def state(self) -> dict:
-        return {}
 
 
 def windows_from(loader, sampler: WindowSampler, start_step: int, total_steps: int) -> Iterator[Window]:
