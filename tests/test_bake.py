@@ -43,7 +43,7 @@ EXTRA_EXPECTED = {
         "memory", "overhead", "startup"))},
 }
 CORE_MODULES = ("__init__", "batch", "checkpoint", "cli", "config", "data", "data_cache", "distributed", "errors",
-                "evaluation", "extras", "launch", "model", "optim", "output_lock", "prepare", "prepare_data",
+                "evaluation", "extras", "launch", "model", "optim", "output_lock", "prepare",
                 "session", "sources", "speed", "startup", "torchrun", "tracking", "windows")
 
 
