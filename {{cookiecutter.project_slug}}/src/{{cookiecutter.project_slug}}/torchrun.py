@@ -24,6 +24,7 @@ from .extras import plug
 # when torchrun, seeing the first worker end, stopped one that was already on its way out.
 TERMINATED = (128 + signal.SIGTERM, -signal.SIGTERM)
 said_by_the_worker = plug("doctor", "hangs:said_by_the_worker", default=lambda args: ())
+said_it_all = plug("doctor", "hangs:said_it_all", default=lambda failed, codes: None)
 
 
 class _SaidByTheLine(logging.Filter):
@@ -52,13 +53,6 @@ def rendezvous_failure(error: RendezvousError, endpoint: str, nnodes: str) -> st
         what = f"failed at the rendezvous at {endpoint} ({type(error).__name__}: {error})"
     return (f"error: torchrun {what}; the job stops: start every node again (with --resume_from_checkpoint auto "
             "it resumes from the newest checkpoint)")
-
-
-def said_it_all(failed: ChildFailedError, codes: tuple[int, ...]) -> int | None:
-    """The first failed worker's exit code where it is in `codes` and the others only stopped; else None."""
-    first = failed.get_first_failure()[1].exitcode
-    ended = {failure.exitcode for failure in failed.failures.values()}
-    return first if first in codes and ended <= {first, -signal.SIGTERM} else None
 
 
 if __name__ == "__main__":
