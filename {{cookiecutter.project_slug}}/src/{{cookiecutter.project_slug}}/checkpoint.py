@@ -1,11 +1,10 @@
-"""Checkpoints and finished runs: their layout, their atomic writing and the rules of resuming.
-
-`checkpoints/step_<N>/` and `final_model/` are written into a temporary folder and renamed once
-every process has finished, with a `state.json` (step, entry point, config, library versions, the
-size of every file); a resume compares that config and checks the files up front, read without
-loading them: a checkpoint from a shared folder must run no code. docs/guarantees.md tells the story.
+"""Checkpoints and finished runs: `checkpoints/step_<N>/` and `final_model/`, written into a
+temporary folder and renamed once every process is done, with a `state.json` (step, entry, config,
+versions, file sizes). A resume checks config and files up front without loading (no pickle runs
+code). docs/guarantees.md tells the story.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -36,15 +35,13 @@ LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed")
 SAFE_GLOBALS = {
     ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
     ("torch._tensor", "_rebuild_from_type_v2"), ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"),
-    ("_codecs", "encode"), ("numpy", "dtype"), ("numpy", "ndarray"), ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
-    ("numpy._core.multiarray", "scalar"),
+    ("_codecs", "encode"), ("numpy", "dtype"), ("numpy", "ndarray"),
+    *((f"numpy{core}.multiarray", name) for core in (".core", "._core") for name in ("_reconstruct", "scalar")),
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"), ("deepspeed.utils.tensor_fragment", "fragment_address"),
 }
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl")
-# An extra's own pickled files that are no torch files (a sharded checkpoint's index): name -> what
-# they may name besides, and what else is wrong with them
+# An extra's pickled non-torch files (a sharded index): name -> (extra names allowed, its own check)
 PICKLED_INDEXES = extras.plug("fsdp", "fsdp:PICKLED_INDEXES", default={})
 # Opcodes that leave the pickle machine's stack as it is (framing, memo writes).
 NEUTRAL_OPS = {"PROTO", "FRAME", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"}
@@ -72,8 +69,8 @@ def newest_checkpoint(output_dir: str) -> str:
 
 
 def after_a_failed_write(output_dir: str, err: BaseException | None) -> str:
-    """What a job that a failed write stopped says to do next: free space only where the disk is
-    full (errors.disk_full); `err` None where another process failed (its own line says why)."""
+    """What to do after a failed write: free space only where the disk is full (errors.disk_full);
+    `err` None where another process failed (its own line says why)."""
     then = "resume it with --resume_from_checkpoint auto" if complete_checkpoints(output_dir) else "start the run again"
     fix = "free space" if disk_full(err) else "fix what the error names" if err else "see the other process's error"
     return f"{newest_checkpoint(output_dir)}: {fix} and {then}"
@@ -82,10 +79,8 @@ def after_a_failed_write(output_dir: str, err: BaseException | None) -> str:
 def library_versions() -> dict[str, str]:
     found = {}
     for name in LIBRARIES:
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             found[name] = version(name)
-        except PackageNotFoundError:
-            pass
     return found
 
 
@@ -102,10 +97,8 @@ def read_state(path: Path) -> dict:
 
 
 def _pickle_globals(data: bytes) -> set[tuple[str, str]]:
-    """The (module, name) pairs a pickle would import, read from its opcodes without running it. A
-    STACK_GLOBAL imports the two values on top of the stack: they are known only when the two
-    opcodes that pushed last (framing and memo writes aside) each pushed a string, read directly
-    or from the memo; otherwise it comes back as ("?", "?"), which no rule allows."""
+    """The (module, name) pairs a pickle would import, read from its opcodes without running it; a
+    STACK_GLOBAL whose two strings were not the last pushed (directly or from the memo) is ("?", "?")."""
     found, pushed, memo = set(), [], {}  # pushed: the strings the latest opcodes pushed, in order
     for op, arg, _ in pickletools.genops(data):
         name = op.name
@@ -172,28 +165,24 @@ def _damage(path: Path, state: dict) -> str:
             return f"{file} is missing"
         if file.stat().st_size != size:
             return f"{file} has {file.stat().st_size} bytes, {size} were written"
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        problem = check_file(file)
-        if problem:
-            return f"{file} {problem}"
-    return ""
+    problems = (f"{file} {problem}" for file in sorted(p for p in path.rglob("*") if p.is_file())
+                if (problem := check_file(file)))
+    return next(problems, "")
 
 
 def verify_checkpoint(path: Path) -> dict:
-    """state.json of a checkpoint that loads; a damaged one is one line naming the file, and the
-    newest older checkpoint of the same run that would load instead."""
+    """state.json of a checkpoint that loads; a damaged one is one line naming the file and the
+    newest older checkpoint that would load instead."""
     state = read_state(path)
-    problem = _damage(path, state)
-    if not problem:
-        return state
-    raise ConfigError(f"checkpoint {path} cannot be loaded: {problem}; {older_that_loads(path)}")
+    if problem := _damage(path, state):
+        raise ConfigError(f"checkpoint {path} cannot be loaded: {problem}; {older_that_loads(path)}")
+    return state
 
 
 def older_that_loads(path: Path) -> str:
     """The newest checkpoint of the same run older than `path` whose files load, as advice."""
     step = int(read_state(path)["step"])
-    older = [p for p in reversed(complete_checkpoints(str(path.parent.parent)))
-             if p.name.startswith("step_") and int(p.name[5:]) < step]
+    older = [p for p in reversed(complete_checkpoints(str(path.parent.parent))) if int(p.name[5:]) < step]
     loads = next((p for p in older if not _damage(p, read_state(p))), None)
     return (f"the older checkpoint {loads} loads: --resume_from_checkpoint {loads}" if loads
             else "no older checkpoint of this run loads")
@@ -205,10 +194,8 @@ def _length(config: dict) -> tuple[str, int]:
 
 
 def check_same_training(state: dict, cfg: TrainConfig, where: Path) -> None:
-    """The keys that change the training (declared resume="match", config.py) must be those `where`
-    was trained with (ConfigError); every other key may change. `dataset` is compared by the content
-    of its prepared training examples (check_same_data), not by its path; a key of an extra this
-    project lacks must have been off."""
+    """The keys declared resume="match" must be those `where` was trained with (ConfigError);
+    `dataset` is compared by content (check_same_data); an unbaked extra's key must have been off."""
     old, new = state["config"], cfg.to_dict()
     extras.recorded_off(old)
     by_content = {"dataset"} if "data_fingerprint" in state else set()
@@ -225,8 +212,7 @@ def check_same_training(state: dict, cfg: TrainConfig, where: Path) -> None:
 
 
 def check_same_data(state: dict, cfg: TrainConfig, fingerprint: str, examples: int, where: Path) -> None:
-    """A run continues only on the training examples it was trained on: the same content (its
-    fingerprint), wherever the files now lie (ConfigError)."""
+    """A run continues only on the same training examples (their fingerprint), wherever they lie."""
     before = state.get("num_train_examples", examples)
     if before != examples:
         raise ConfigError(f"{where} was trained on {before} training examples, dataset {cfg.dataset} now has "
@@ -259,58 +245,42 @@ def note_versions(state: dict, where: Path) -> None:
         print0(f"note: {where} was written with other library versions ({', '.join(changed)}); continuing")
 
 
-def refuse_fresh_run(cfg: TrainConfig) -> None:
-    """A fresh run (no --resume_from_checkpoint) never writes over a finished run or checkpoints."""
-    out = Path(cfg.output_dir)
-    finished = final_dir(cfg.output_dir)
-    if (finished / STATE_FILE).is_file():
+def resume_point(cfg: TrainConfig) -> Path | None:
+    """The checkpoint to continue from (checked), or None to start fresh (never over a finished run or
+    checkpoints); a finished run in output_dir is returned as its final_model folder (the caller stops)."""
+    out, finished = Path(cfg.output_dir), final_dir(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir {out} is a file; choose a folder")
+    done, found = (finished / STATE_FILE).is_file(), complete_checkpoints(cfg.output_dir)
+    if cfg.resume_from_checkpoint == "" and done:
         raise ConfigError(
             f"output_dir {out} holds a finished run ({finished}, step {read_state(finished)['step']}); to train "
             f"it further start a new run from it (--model_name_or_path {finished} --output_dir NEW_DIR), or "
             "choose another --output_dir")
-    found = complete_checkpoints(cfg.output_dir)
-    if found:
-        raise ConfigError(
-            f"output_dir {out} already holds checkpoints ({found[-1].name}); pass "
-            "--resume_from_checkpoint auto to continue, or choose another --output_dir")
-
-
-def resume_point(cfg: TrainConfig) -> Path | None:
-    """The checkpoint to continue from (checked), or None to start fresh; a finished run in
-    output_dir is returned as its final_model folder (the caller compares and stops)."""
-    out = Path(cfg.output_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"output_dir {out} is a file; choose a folder")
-    finished = final_dir(cfg.output_dir)
+    if cfg.resume_from_checkpoint == "" and found:
+        raise ConfigError(f"output_dir {out} already holds checkpoints ({found[-1].name}); pass "
+                          "--resume_from_checkpoint auto to continue, or choose another --output_dir")
     if cfg.resume_from_checkpoint == "":
-        refuse_fresh_run(cfg)
         return None
-    if (finished / STATE_FILE).is_file():
+    if done:
         if cfg.resume_from_checkpoint != "auto":
             raise ConfigError(f"output_dir {out} holds a finished run ({finished}); resume "
                               f"{cfg.resume_from_checkpoint} into another --output_dir")
         return finished
     if cfg.resume_from_checkpoint == "auto":
-        found = complete_checkpoints(cfg.output_dir)
         return found[-1] if found else None
     path = Path(cfg.resume_from_checkpoint)
     if not (path / STATE_FILE).is_file():
-        raise ConfigError(
-            f"resume_from_checkpoint {path} is not a complete checkpoint (no {STATE_FILE}); "
-            f"pass a checkpoints/step_<N> folder or 'auto'"
-        )
+        raise ConfigError(f"resume_from_checkpoint {path} is not a complete checkpoint (no {STATE_FILE}); "
+                          f"pass a checkpoints/step_<N> folder or 'auto'")
     return path
 
 
 def rng_state() -> dict:
     """Every RNG of this process, as tensors and plain values (loadable with weights_only=True)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
+    kind, keys, *rest = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), *rest],
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
 def set_rng_state(state: dict) -> None:
@@ -333,8 +303,7 @@ def load_rng(path: Path, rank: int) -> None:
 
 
 class WriteFailed(JobFailed):
-    """A folder that some process could not write, and why (`err`, None on the processes that wrote
-    theirs): every process raises it together."""
+    """A folder some process could not write, and why (`err`: None where this one wrote); raised on all."""
 
     def __init__(self, what: str, reason: str, output_dir: str, err: BaseException | None):
         super().__init__(f"could not write {what} ({reason}); {after_a_failed_write(output_dir, err)}", agreed=True)
@@ -342,8 +311,7 @@ class WriteFailed(JobFailed):
 
 
 def _attempt(env: DistEnv, output_dir: str, what: str, action: Callable[[], None]) -> None:
-    """Run `action` on every process; if it failed on any of them, every process learns it and all
-    stop together, with one line each, before any of them waits on the others again."""
+    """Run `action` on every process; if it failed on any, all stop together with one line each."""
     error = None
     try:
         action()
@@ -357,10 +325,9 @@ def _attempt(env: DistEnv, output_dir: str, what: str, action: Callable[[], None
 
 def write_atomically(cfg: TrainConfig, env: DistEnv, final: Path, write: Callable[[Path], object],
                      state: dict, finish: Callable | None = None):
-    """Run `write(folder)` on every process into a temporary folder beside `final`, then publish it
-    as `final` with `state` in its state.json (or have `finish(cfg, env, folder, final, state)` do it:
-    an extra's write that goes on in the background). A failed write on any process stops every
-    process with one line; `final` is untouched, the partial folder removed."""
+    """Run `write(folder)` on every process into a temporary folder, then `finish` (publish, or an
+    extra's background write) makes it `final` with `state`. A failed write stops every process with
+    one line; `final` is untouched, the partial folder removed."""
     tmp = final.with_name(f".tmp_{final.name}")
 
     def make_tmp() -> None:
@@ -379,9 +346,8 @@ def write_atomically(cfg: TrainConfig, env: DistEnv, final: Path, write: Callabl
 
 
 def write_final(cfg: TrainConfig, env: DistEnv, write: Callable[[Path], None], state: dict) -> None:
-    """final_model/, as write_atomically writes it. Where output_dir has no room for it, the trained
-    model is kept whole (state.json too) in a folder on another file system, and the one line
-    says where: moved to final_model/, it makes the run finished."""
+    """final_model/, as write_atomically writes it; where output_dir has no room, the model is kept
+    whole on another file system (room_elsewhere) and the one line says where."""
     final = final_dir(cfg.output_dir)
     try:
         write_atomically(cfg, env, final, write, state)
@@ -398,8 +364,7 @@ def write_final(cfg: TrainConfig, env: DistEnv, write: Callable[[Path], None], s
 
 
 def room_elsewhere(output_dir: str) -> Path | None:
-    """A folder for a finished model that output_dir's file system has no room for: in the first
-    of the temporary folder, home and /dev/shm that is writable on another file system."""
+    """A folder for the final model in the first writable of tmp, home, /dev/shm on another file system."""
     out = Path(output_dir).resolve()
     device = os.stat(next(p for p in (out, *out.parents) if p.exists())).st_dev
     for base in (Path(tempfile.gettempdir()), Path.home(), Path("/dev/shm")):
@@ -409,9 +374,8 @@ def room_elsewhere(output_dir: str) -> Path | None:
 
 
 def publish(cfg: TrainConfig, env: DistEnv, written: Path, final: Path, state: dict) -> Path:
-    """Once every process has finished writing `written`: record `state` and the size of every
-    file in its state.json, rename it to `final` and, for checkpoints, keep the newest
-    save_total_limit."""
+    """Once every process has written `written`: its state.json (`state`, file sizes), renamed to
+    `final`; of checkpoints the newest save_total_limit are kept."""
 
     def mark_complete() -> None:
         if env.is_main_process:

@@ -21,17 +21,10 @@ explain = plug("doctor", "hangs:explain", default=lambda err, cfg: "")
 
 
 def run_cli(train: Callable[[TrainConfig], int | None]) -> None:
-    """Parse the config and train. `train` returns the exit code of a job that it stopped at a step
-    boundary (Session.stopped: 143 after SIGTERM), or None. A ConfigError becomes one line on
-    stderr and exit code 2, a JobFailed one line and its exit code, a RunFinished one line on stdout
-    and exit code 0, and a lost process (a collective that timed out, a peer that died) one line and
-    exit code 1, and Ctrl-C (or SIGTERM while data is prepared) one line and 128 + the signal's number.
-    With the doctor's extra, a lost process, or a collective the ranks disagree on (debug_distributed),
-    also leaves each rank's output_dir/debug/rank_<r>.json, and its line says which ranks did not arrive.
-
-    The process group is destroyed only after `train` has returned, so that DDP's reducer (which
-    holds the group) is freed first: the other order can hang or abort in gloo's destructor.
-    """
+    """Parse the config and train (`train` returns a stopped job's exit code, or None); each way a
+    run ends early is one line and its exit code: ConfigError 2, JobFailed its own, RunFinished 0, a
+    lost process 1, Ctrl-C 128 + the signal. The group is destroyed after `train` returned, once
+    DDP's reducer is freed (the other order can abort in gloo's destructor)."""
     code, cfg = 0, None
     try:
         cfg = load_config()

@@ -1,8 +1,6 @@
-"""Process-group set-up shared by the entry points, and `print0`.
-
-The rank, world size and device come from the launcher's environment (torchrun, accelerate
-launch, srun via the sbatch scripts) *before* any process group exists, so configuration errors
-are up-front checks (errors.ConfigError).
+"""Process-group set-up shared by the entry points, the collectives they use, and `print0`.
+Rank, world size and device come from the launcher's environment before any process group exists,
+so a wrong launch is an up-front check (errors.ConfigError).
 """
 
 import gc
@@ -24,10 +22,8 @@ from tqdm import tqdm
 from .errors import ConfigError, JobFailed, first_line
 from .extras import BAKED
 
-# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (False: no broadcast in every
-# forward; the buffers, constants here, are still synced once at the start). wrap_ddp passes the
-# new name where torch has it; Accelerate and the Trainer pass only the old one, same effect, so
-# its deprecation warning (twice per process and run) is left out.
+# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers; Accelerate and the Trainer pass
+# the old name (same effect), so its deprecation warning is left out.
 NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
                   else {"broadcast_buffers": False})
 warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
@@ -98,19 +94,9 @@ def dist_env() -> DistEnv:
 
 def init_distributed(env: DistEnv, rendezvous_timeout_s: float, collective_timeout_s: float,
                      alone_too: bool = False) -> None:
-    """Join the process group: nccl on GPUs, gloo on CPU. A single process joins nothing, unless
-    `alone_too` (DeepSpeed needs a group, and without a launcher would look for MPI instead).
-
-    Every entry point joins here, before Accelerate or the Trainer would (they use the group they
-    find). The environment variable DIST_BACKEND chooses another back end (gloo lets several ranks
-    share a GPU, local_rank % GPUs, as the GPU check does on one GPU). Waiting for the other
-    processes ends after `rendezvous_timeout_s` with one line saying what it waited for; a
-    collective (all-reduce, barrier) waits at most `collective_timeout_s`, so a process that stops
-    answering fails the job instead of hanging it. The keys of this rendezvous
-    are prefixed with torchrun's restart count: a job that torchrun restarts (--max_restarts) after
-    a crash may get the crashed attempt's store, whose stale process addresses would otherwise be
-    read back (measured: gloo then fails to connect).
-    """
+    """Join the process group (nccl on GPUs, gloo on CPU, or DIST_BACKEND) before Accelerate or the
+    Trainer would; one process joins only with `alone_too` (DeepSpeed needs a group). Both waits are
+    bounded; keys carry torchrun's restart count (a restart may find the crashed attempt's store)."""
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     if (env.world_size == 1 and not alone_too) or dist.is_initialized():
@@ -144,11 +130,8 @@ def free_port() -> int:
 
 
 def cleanup() -> None:
-    """Destroy the process group once nothing uses it any more.
-
-    DDP's reducer holds the group; a reducer still alive in a reference cycle (a Trainer and its
-    callbacks) would be freed after the group and abort in gloo's destructor, hence the collect.
-    """
+    """Destroy the process group; collect first, as a DDP reducer in a reference cycle (a Trainer's
+    callbacks) freed after the group aborts in gloo's destructor."""
     if dist.is_initialized():
         gc.collect()
         dist.barrier()
@@ -164,17 +147,10 @@ def lost_contact(err: BaseException) -> bool:
 
 
 class PreemptionSignal:
-    """SIGUSR1 or SIGTERM asks the job to stop at the next optimizer-step boundary with a checkpoint.
-
-    The SLURM scripts ask SLURM for SIGUSR1 before the time limit (`#SBATCH --signal=B:USR1@...`)
-    and pass it on to every training process; the launchers in between (torchrun, accelerate
-    launch) ignore it. SIGTERM is Kubernetes' eviction and preemption (and a SLURM preemption's
-    first word): torchrun passes it on to its workers, and kills them after its shutdown timeout
-    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default). The processes may get a signal on either
-    side of a step boundary, so they agree at each boundary: the flags travel in the step's one
-    all-reduce (Session.read_step), and every rank stops after the same step. A process that got
-    SIGTERM then exits 143, so that a JobSet or Job restarts the job; SIGUSR1 ends it with 0.
-    """
+    """SIGUSR1 (SLURM's warning before the time limit) or SIGTERM (an eviction, a preemption) asks the
+    job to stop at the next optimizer-step boundary with a checkpoint; the ranks agree on it in the
+    step's one all-reduce (Session.read_step). SIGTERM exits 143 so that a Job restarts it, SIGUSR1 0.
+    docs/launching.md tells the story."""
 
     def __init__(self) -> None:
         self.received = False  # SIGUSR1 or SIGTERM
@@ -187,7 +163,7 @@ class PreemptionSignal:
         self.terminated |= signum == signal.SIGTERM
 
     def exit_code(self) -> int:
-        """What a job stopped at a step boundary exits with on this process: 128 + SIGTERM if it got it."""
+        """128 + SIGTERM if this process got it, else 0."""
         return 128 + signal.SIGTERM if self.terminated else 0
 
 
@@ -197,17 +173,14 @@ def ranks_with(flag: bool, device: torch.device) -> int:
 
 
 def full_norm(norm: torch.Tensor) -> torch.Tensor:
-    """A gradient norm as a plain tensor. Under FSDP2 the gradients are sharded DTensors and so is
-    their norm, which `.tolist()` and a `torch.stack` with plain tensors refuse; its full tensor is
-    the whole model's norm (the norm of this rank's shards alone is a part of it)."""
+    """A gradient norm as a plain tensor: under FSDP2 it is a sharded DTensor, whose full tensor is
+    the whole model's norm."""
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def sum_and_read(summed: list, kept: list) -> list[float]:
-    """The values of `summed`, each summed over the ranks, then those of `kept` (this rank's), as
-    floats: one all-reduce and one read of the device for all of them. Numbers and tensors mix;
-    a number goes to the device as a fill (a copy from the host would wait for the device), a
-    gradient norm under FSDP2 as its full tensor (full_norm)."""
+    """The values of `summed` summed over the ranks, then those of `kept` (this rank's), as floats:
+    one all-reduce and one device read. A number goes to the device as a fill (a host copy waits)."""
     device = next((v.device for v in summed + kept if isinstance(v, torch.Tensor)), torch.device("cpu"))
 
     def scalar(value) -> torch.Tensor:
@@ -226,13 +199,6 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
-    """The smallest value over all processes, in place (no-op for one process)."""
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return tensor
-
-
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -246,31 +212,22 @@ def print0(text: str) -> None:
 
 
 def wrap_ddp(model: torch.nn.Module, env: DistEnv, bucket_cap_mb: float) -> DDP:
-    """`model` in DistributedDataParallel as every DDP run here has it. No buffer sync in each
-    forward: DDP would otherwise broadcast the model's buffers (the rotary embedding's constant
-    inv_freq) in every forward, a collective per micro-step."""
+    """`model` in DDP without a buffer broadcast in every forward (a collective per micro-step for
+    the rotary embedding's constant inv_freq)."""
     return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                bucket_cap_mb=bucket_cap_mb, **NO_BUFFER_SYNC)
 
 
 def sync_counter_for(model) -> "GradSyncCounter | None":
-    """A GradSyncCounter on the DDP module of a prepared model (or of the torch.compile wrapper
-    around it); None when the model is not in DDP (one process, DeepSpeed)."""
+    """A GradSyncCounter on a prepared model's DDP module (under torch.compile too); None without DDP."""
     ddp = getattr(model, "_orig_mod", model)
     return GradSyncCounter(ddp) if isinstance(ddp, DDP) else None
 
 
 class GradSyncCounter:
-    """Counts DDP's gradient all-reduce calls (one per bucket per synchronised backward pass) and
-    the bytes they send (each bucket's flat gradient buffer), and sums each bucket's squared norm
-    before the all-reduce (this rank's gradient) and after it (the average over ranks) for the
-    gradient noise scale (noise.py, where the batch_schedule extra is baked).
-
-    Installed as a DDP communication hook that wraps the default all-reduce, so it counts what
-    DDP really sends (DDP takes one hook: everything read from the buckets is read here); `take()`
-    returns the calls since its last call and resets them, `take_bytes()` and `take_norms()` do the
-    same for the bytes (the communication benchmark reads both) and the squared norms.
-    """
+    """A DDP communication hook around the default all-reduce (DDP takes one): counts the all-reduce
+    calls and bytes DDP really sends and, with the batch_schedule extra, each bucket's squared norm
+    before and after it (noise.py). `take()`, `take_bytes()`, `take_norms()` return and reset."""
 
     def __init__(self, ddp_model) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -284,8 +241,7 @@ class GradSyncCounter:
         self._allreduce = default_hooks.allreduce_hook
 
         def squared_norms(flat: torch.Tensor, bucket) -> tuple[list[int], torch.Tensor]:
-            """Per parameter, so that the step's sum does not depend on how DDP groups its buckets
-            (they change after the first step, and again in a resumed job)."""
+            """Per parameter: DDP's buckets change after the first step and in a resumed job."""
             params = bucket.parameters()
             views = flat.split([p.numel() for p in params])
             norms = torch._foreach_norm(views, dtype=torch.promote_types(flat.dtype, torch.float32))
@@ -320,8 +276,8 @@ class GradSyncCounter:
         return sent
 
     def take_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(this rank's squared gradient norm, the averaged gradient's) since the last call, summed
-        in the parameters' order; (None, None) without a synchronised step."""
+        """(this rank's squared gradient norm, the averaged one's) since the last call, summed in the
+        parameters' order; (None, None) without a synchronised step."""
         taken, self._local, self._reduced = (self._local, self._reduced), [], []
         if not all(taken):
             return None, None

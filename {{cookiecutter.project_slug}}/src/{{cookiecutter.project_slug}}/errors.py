@@ -7,15 +7,13 @@ import signal
 
 
 class ConfigError(Exception):
-    """A mistake the user can fix: bad config, bad flag, bad input data, a launch that does not fit.
-    Found by an *up-front* check: one that every process makes before any process waits on
-    another, so each reports it itself instead of hanging. Exit code 2."""
+    """A mistake the user can fix (config, flag, input data, launch), found by an up-front check that
+    every process makes before any waits on another. Exit code 2."""
 
 
 class JobFailed(Exception):
-    """The job cannot go on and says why in one line: a checkpoint that could not be written, a
-    rendezvous that timed out (exit code 1), a training that diverged (exit code 3). `agreed`: every
-    process raises it at the same point (after a collective that told them all)."""
+    """The job cannot go on (a failed write, a rendezvous timeout: exit 1; divergence: 3). `agreed`:
+    every process raises it at the same point, after a collective that told them all."""
 
     def __init__(self, message: str, exit_code: int = 1, agreed: bool = False):
         super().__init__(message)
@@ -24,16 +22,14 @@ class JobFailed(Exception):
 
 
 class RunFinished(Exception):
-    """Not an error: the run in output_dir is already done with this config. One line, exit code 0,
-    and no file changed (what makes a SLURM requeue loop safe)."""
+    """The run in output_dir is already done with this config: one line, exit 0, no file changed."""
 
 
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no room: a full disk, a quota, a file size limit
 
 
 def disk_full(err: BaseException | None) -> OSError | None:
-    """The full disk (or quota, or a file size limit) behind `err`, wherever a library wrapped it;
-    None if there is none: only then does a failed write say to free space."""
+    """The full disk (quota, file size limit) behind `err`, wherever a library wrapped it, or None."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
@@ -52,9 +48,8 @@ def first_line(err: BaseException) -> str:
 
 
 class Interrupted(BaseException):
-    """SIGINT (Ctrl-C) or SIGTERM where the run cannot stop at a step boundary (while it prepares
-    data): one line after the `finally` blocks have removed what was half written, exit code 128 +
-    the signal's number."""
+    """SIGINT or SIGTERM where the run cannot stop at a step boundary (preparing data): one line once
+    `finally` blocks removed what was half written, exit 128 + the signal's number."""
 
     def __init__(self, signum: int, doing: str):
         super().__init__(f"stopped by {signal.Signals(signum).name} {doing}")
@@ -63,8 +58,8 @@ class Interrupted(BaseException):
 
 @contextlib.contextmanager
 def interruptible(doing: str):
-    """Within the block SIGINT and SIGTERM raise Interrupted (once: a second signal does not cut the
-    clean-up short); whatever a library turns the first into on its way out, Interrupted comes out."""
+    """Within the block SIGINT and SIGTERM raise Interrupted once (a second does not cut clean-up
+    short), whatever a library turns it into on its way out."""
     got = []
 
     def handle(signum, frame):

@@ -1,7 +1,6 @@
-"""The seam between the core and the extras: how a config key is declared, and which extras the
-project was baked with. An extra is a training feature beside gradient accumulation itself, in
-files of its own; a key of an extra that is not baked is refused in one line that names it.
-docs/extending.md says how to add an extra to a project later.
+"""The seam between the core and the extras: how a config key is declared, which extras the project
+was baked with, and `plug` (a core module gets an extra's function where baked). A key of an extra
+that is not baked is refused in one line that names it. docs/extending.md tells the story.
 """
 
 import importlib
@@ -27,10 +26,8 @@ RESUME = ("match", "free", "length")  # must a resume have the checkpoint's valu
 
 
 def key(help: str, default, *, resume: str, data: bool):
-    """One config key, declared once: its default, its help (the --help text and the comment in
-    configs/train.yaml), whether a resume must have the checkpoint's value (`resume`: "match", "free",
-    or "length": part of the run's length) and whether it changes the prepared data (`data`: in the
-    data cache's key)."""
+    """One config key: its default, its help (--help, configs/train.yaml), whether a resume must keep
+    it (`resume`: "match", "free", or "length") and whether it changes the prepared data (`data`)."""
     if resume not in RESUME:
         raise ValueError(f"resume must be one of {RESUME}, got {resume!r}")
     return field(default=default, metadata={"help": help, "resume": resume, "data": data})
@@ -60,8 +57,7 @@ def modules() -> list:
 
 
 def plug(extra: str, where: str, default=None):
-    """A seam of the core: `where` ("module:name") of `extra` where that extra is baked, else
-    `default` (the core's own behaviour). Core modules call this at import, one line per seam."""
+    """`where` ("module:name") of `extra` where it is baked, else `default`; called at import, one line a seam."""
     if extra not in BAKED:
         return default
     module, name = where.split(":")
@@ -81,8 +77,7 @@ def check(cfg) -> None:
 
 
 def recorded_off(recorded: dict) -> None:
-    """A checkpoint or finished run written with an extra this project lacks continues only where
-    that extra was off (ConfigError naming it)."""
+    """A run recorded with an extra this project lacks continues only where it was off (ConfigError)."""
     for name, value in recorded.items():
         extra = owner(name)
         if extra and extra not in BAKED and value != EXTRAS[extra][2][name]:

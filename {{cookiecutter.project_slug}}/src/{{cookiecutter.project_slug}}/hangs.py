@@ -11,6 +11,7 @@ The doctor's extra plugs these into the core (cli.py, session.py, torchrun.py: e
 import json
 import os
 import re
+import signal
 import socket
 import time
 import traceback
@@ -166,3 +167,11 @@ def said_by_the_worker(args) -> tuple[int, ...]:
     """The exit codes of a worker whose own line says it all, for torchrun's `args` (torchrun.py):
     the doctor's 2, a check that failed."""
     return (2,) if args.module and args.training_script == f"{__package__}.doctor" else ()
+
+
+def said_it_all(failed, codes: tuple[int, ...]) -> int | None:
+    """The first failed worker's exit code (torchrun's ChildFailedError) where it is in `codes` and
+    the others only stopped; else None."""
+    first = failed.get_first_failure()[1].exitcode
+    ended = {failure.exitcode for failure in failed.failures.values()}
+    return first if first in codes and ended <= {first, -signal.SIGTERM} else None

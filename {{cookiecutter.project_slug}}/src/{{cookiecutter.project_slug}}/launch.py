@@ -42,8 +42,7 @@ def launch_of(cfg: TrainConfig, entry: str) -> Launch:
 
 
 def check_back_end(cfg: TrainConfig, env: DistEnv, launch: Launch) -> None:
-    """Refuse what the entry point cannot run, instead of letting it train something else
-    silently."""
+    """Refuse what the entry point cannot run, instead of letting it train something else silently."""
     entry, on_accelerate, fsdp = launch.entry, launch.on_accelerate, launch.fsdp
     if not on_accelerate and launch.deepspeed_path:
         raise ConfigError(f"train_{entry} does not run DeepSpeed; use train_accelerate or train_trainer with "
@@ -75,27 +74,23 @@ def check_launcher_env(plan: BatchPlan) -> None:
     """`accelerate launch` exports the YAML's gradient_accumulation_steps; it must be ours."""
     value = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
     if value not in (None, "", "auto") and int(value) != plan.grad_accum_steps:
-        raise ConfigError(
-            f"the accelerate config sets gradient_accumulation_steps {value}, but global_batch_size "
-            f"{plan.global_batch_size} / (micro_batch_size {plan.micro_batch_size} x world_size "
-            f"{plan.world_size}) gives {plan.grad_accum_steps}; remove it from the YAML (train.yaml decides)"
-        )
+        raise ConfigError(f"the accelerate config sets gradient_accumulation_steps {value}, but global_batch_size "
+                          f"{plan.global_batch_size} / (micro_batch_size {plan.micro_batch_size} x world_size "
+                          f"{plan.world_size}) gives {plan.grad_accum_steps}; remove it from the YAML "
+                          "(train.yaml decides)")
 
 
 def deepspeed_config_path(cfg: TrainConfig) -> str:
     """The DeepSpeed JSON of this run: --deepspeed, or the one `accelerate launch` names."""
     from_launcher = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")
     if cfg.deepspeed and from_launcher and Path(cfg.deepspeed).resolve() != Path(from_launcher).resolve():
-        raise ConfigError(
-            f"--deepspeed {cfg.deepspeed} and the accelerate config's deepspeed_config_file "
-            f"{from_launcher} differ; give one of them"
-        )
+        raise ConfigError(f"--deepspeed {cfg.deepspeed} and the accelerate config's deepspeed_config_file "
+                          f"{from_launcher} differ; give one of them")
     return cfg.deepspeed or from_launcher
 
 
 def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, path: str) -> dict | None:
-    """The DeepSpeed config at `path` with every "auto" filled from ours; explicit disagreements
-    refused. None without a path."""
+    """The DeepSpeed config at `path` (None without one), every "auto" filled from ours; disagreements refused."""
     if not path:
         return None
     try:
@@ -106,41 +101,31 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, path: str) -> dict | Non
         raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"DeepSpeed config {path} must hold a JSON object of settings, got {type(config).__name__}")
-    ours = {
-        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.grad_accum_steps,
-        "train_batch_size": plan.global_batch_size,
-        "gradient_clipping": cfg.max_grad_norm,
-    }
+    ours = {"train_micro_batch_size_per_gpu": plan.micro_batch_size, "gradient_accumulation_steps":
+            plan.grad_accum_steps, "train_batch_size": plan.global_batch_size, "gradient_clipping": cfg.max_grad_norm}
     for key, value in ours.items():
         theirs = config.get(key, "auto")
         if theirs == "auto":
             config[key] = value
         elif not isinstance(theirs, (int, float)) or float(theirs) != float(value):
-            raise ConfigError(
-                f"DeepSpeed config {path} sets {key} {theirs!r} but this run derives {value} "
-                f"(global_batch_size {plan.global_batch_size}, micro_batch_size {plan.micro_batch_size}, "
-                f"world_size {plan.world_size}, max_grad_norm {cfg.max_grad_norm}); set it to \"auto\""
-            )
+            raise ConfigError(f"DeepSpeed config {path} sets {key} {theirs!r} but this run derives {value} "
+                              f"(global_batch_size {plan.global_batch_size}, micro_batch_size {plan.micro_batch_size}, "
+                              f"world_size {plan.world_size}, max_grad_norm {cfg.max_grad_norm}); set it to \"auto\"")
     for precision in ("bf16", "fp16"):
         section = config.setdefault(precision, {})
         wanted = cfg.mixed_precision == precision
         if section.get("enabled", "auto") == "auto":
             section["enabled"] = wanted
         elif bool(section["enabled"]) != wanted:
-            raise ConfigError(
-                f"DeepSpeed config {path} sets {precision}.enabled {section['enabled']} but "
-                f"mixed_precision is {cfg.mixed_precision!r}; set it to \"auto\""
-            )
+            raise ConfigError(f"DeepSpeed config {path} sets {precision}.enabled {section['enabled']} but "
+                              f"mixed_precision is {cfg.mixed_precision!r}; set it to \"auto\"")
     if cfg.mixed_precision == "fp16":  # DeepSpeed's own loss scaler starts at 2**initial_scale_power
         power = math.log2(cfg.fp16_init_scale)
         theirs = config["fp16"].get("initial_scale_power", "auto")
         if theirs == "auto" and power.is_integer():
             config["fp16"]["initial_scale_power"] = int(power)
         elif theirs == "auto" or float(theirs) != power:
-            raise ConfigError(
-                f"DeepSpeed config {path}: fp16 initial_scale_power {theirs!r} and fp16_init_scale "
-                f"{cfg.fp16_init_scale:g} disagree; DeepSpeed needs a power of 2: set fp16_init_scale to one "
-                "and initial_scale_power to \"auto\""
-            )
+            raise ConfigError(f"DeepSpeed config {path}: fp16 initial_scale_power {theirs!r} and fp16_init_scale "
+                              f"{cfg.fp16_init_scale:g} disagree; DeepSpeed needs a power of 2: set fp16_init_scale to "
+                              "one and initial_scale_power to \"auto\"")
     return config

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -22,7 +23,7 @@ from .batch import BatchPlan, plan_batches
 from .checkpoint import rng_state, set_rng_state
 from .config import TrainConfig
 from .data import IGNORE_INDEX
-from .distributed import DistEnv, all_reduce_min, init_distributed, ranks_with
+from .distributed import DistEnv, init_distributed, ranks_with
 from .errors import ConfigError, JobFailed, first_line
 from .model import autocast_for, build_model, summed_loss
 from .optim import build_optimizer
@@ -167,7 +168,10 @@ def auto_micro_batch_size(cfg: TrainConfig, model_config, env: DistEnv, at_most:
         return not budget or peak <= budget
 
     local = largest_fitting(cfg.global_batch_size // env.world_size, fits, at_most)
-    size = int(all_reduce_min(torch.tensor(local, device=env.device)).item())
+    smallest = torch.tensor(local, device=env.device)
+    if dist.is_initialized():
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)  # what every process can hold
+    size = int(smallest.item())
     limit = f"budget {cfg.memory_budget_mb:g} MiB" if budget else f"{env.device.type} memory"
     tried = ", ".join(f"{b}: {peak}" for b, peak in peaks.items())
     if size == 0:

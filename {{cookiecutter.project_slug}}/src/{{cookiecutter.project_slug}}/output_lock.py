@@ -23,9 +23,8 @@ HELD: list["OutputLock"] = []  # the locks this process holds, released at its e
 
 
 def job_identity() -> str:
-    """What stays the same when this job restarts and differs between two jobs: the SLURM job and
-    step, torchrun's run id, or (a torchrun without one) its rendezvous address; "" for a process
-    started alone, which only its host and pid name."""
+    """What stays the same when this job restarts and differs between jobs (SLURM job and step,
+    torchrun's run id or rendezvous address); "" for a process started alone."""
     if os.environ.get("SLURM_JOB_ID"):
         return f"slurm job {os.environ['SLURM_JOB_ID']} step {os.environ.get('SLURM_STEP_ID', 'batch')}"
     if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
@@ -36,16 +35,14 @@ def job_identity() -> str:
 
 
 def process_started(pid: int) -> str:
-    """When process `pid` of this host started (clock ticks since boot), "" where unknown: a pid
-    reused by a later process then does not pass for the holder."""
+    """When process `pid` started (ticks since boot; "" where unknown): a reused pid is not the holder."""
     with contextlib.suppress(OSError, IndexError):
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
     return ""
 
 
 def running_here(holder: dict) -> bool | None:
-    """Whether the process a lock file names (host, pid, started) still runs; None where it is on
-    another host, which only a heartbeat can tell."""
+    """Whether the process a lock file names still runs; None on another host (only a heartbeat tells)."""
     if holder.get("host") != socket.gethostname():
         return None
     try:
@@ -87,9 +84,8 @@ class OutputLock:
         return None
 
     def check(self) -> dict | None:
-        """An up-front check: ConfigError where another job that still runs holds the folder; else
-        the other job, gone, whose lock this one takes over (None: free, or held by this very job
-        before a restart)."""
+        """ConfigError where another running job holds the folder; else the gone job whose lock this one
+        takes over (None: free, or this very job before a restart)."""
         return self._judge(self.holder())
 
     def _judge(self, holder: dict | None) -> dict | None:
@@ -102,8 +98,7 @@ class OutputLock:
         return holder
 
     def take(self, env: DistEnv) -> None:
-        """Every rank checks; rank 0 then writes the lock and keeps its heartbeat until the process
-        ends (or `release`), with one line where it takes over from a job that is gone."""
+        """Every rank checks; rank 0 writes the lock and beats until the process ends (or `release`)."""
         holder = self.holder()
         gone = self._judge(holder)
         if not env.is_main_process:
@@ -152,7 +147,6 @@ class OutputLock:
 
 @atexit.register
 def release_held() -> None:
-    """Remove every lock this process holds: at its exit, and before an exit that runs no atexit
-    handler (os._exit, where another process may be waiting in a collective)."""
+    """Remove every lock this process holds: at exit, and before an os._exit (which runs no atexit)."""
     while HELD:
         HELD.pop().release()

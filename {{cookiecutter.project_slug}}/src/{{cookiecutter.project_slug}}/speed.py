@@ -1,7 +1,6 @@
-"""The speed levers every fast PyTorch loop turns on (compile, tf32, fused_adamw,
-attn_implementation, dataloader_workers: one config key each, in all three entry points) and the
-figures that say how fast it is: FLOPs per token as nanoGPT and PaLM count them, and the model
-FLOPs utilisation (`mfu`) of each step record. docs/performance.md tells the story.
+"""The speed levers (compile, tf32, fused_adamw, attn_implementation, dataloader_workers: one key
+each, in all three entry points) and how fast a step is: FLOPs as nanoGPT and PaLM count them, and
+the model FLOPs utilisation (`mfu`) of each step record. docs/performance.md tells the story.
 """
 
 import numpy as np
@@ -34,9 +33,7 @@ PEAK_TFLOPS = {
     "A10": {"bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2},
     "L4": {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30},
     "RTX 4090": {"bf16": 165, "fp16": 165, "tf32": 82.6, "fp32": 82.6},
-    "V100 SXM": {"fp16": 125, "fp32": 15.7},
-    "V100 PCIe": {"fp16": 112, "fp32": 14},
-    "T4": {"fp16": 65, "fp32": 8.1},
+    "V100 SXM": {"fp16": 125, "fp32": 15.7}, "V100 PCIe": {"fp16": 112, "fp32": 14}, "T4": {"fp16": 65, "fp32": 8.1},
 }
 # torch.cuda.get_device_name() as each model spells itself, matched whole: a name that only
 # contains another's ("H100 NVL" holds "H100", "L40" starts like "L4") must not read its peak.
@@ -52,8 +49,7 @@ DEVICE_MODELS = {
 
 
 def peak_tflops_for(device_name: str, precision: str) -> float | None:
-    """Dense TFLOP/s of the device `torch.cuda.get_device_name()` names, for matmuls in `precision`
-    (bf16 | fp16 | tf32 | fp32); None where the device or the precision is not in the table."""
+    """Dense TFLOP/s of the device so named for matmuls in `precision`; None where not in the table."""
     model = DEVICE_MODELS.get(" ".join(device_name.split()))
     return PEAK_TFLOPS[model].get(precision) if model else None
 
@@ -87,11 +83,9 @@ def numel(parameter: torch.nn.Parameter) -> int:
 
 
 def flop_counts(model: torch.nn.Module) -> tuple[float, float] | None:
-    """Training FLOPs of a sequence of T tokens are `per_token`·T + `per_position`·T², as nanoGPT's
-    estimate_mfu and the PaLM paper count them: 6 per weight and token (2 forward, 4 backward), not
-    counting the input embedding (a lookup), plus attention's 12·L·H·Q (layers, heads, head dim)
-    for each token and each position of its sequence. None where the model is not a Hugging Face
-    transformer (a model_factory's): no mfu."""
+    """(`per_token`, `per_position`): a sequence of T tokens costs per_token·T + per_position·T² training
+    FLOPs (nanoGPT, PaLM): 6 per weight but the input embedding, plus attention's 12·layers·heads·head
+    dim; None for a model that is no Hugging Face transformer (a model_factory's): no mfu."""
     config = getattr(model, "config", None)
     needs = ("num_hidden_layers", "num_attention_heads", "hidden_size")
     if not hasattr(model, "get_input_embeddings") or not all(hasattr(config, key) for key in needs):
@@ -106,8 +100,7 @@ def flop_counts(model: torch.nn.Module) -> tuple[float, float] | None:
 
 
 def training_flops(counts: tuple[float, float], lengths) -> float:
-    """The training FLOPs of sequences of these lengths (flop_counts: each sequence's attention
-    grows with its own length, not with max_seq_len)."""
+    """The training FLOPs of sequences of these lengths (attention grows with each one's own length)."""
     per_token, per_position = counts
     lengths = np.asarray(lengths, dtype=np.float64)
     return float(per_token * lengths.sum() + per_position * np.square(lengths).sum())

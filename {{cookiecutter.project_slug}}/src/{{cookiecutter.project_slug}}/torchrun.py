@@ -1,12 +1,7 @@
 """torchrun as the launch scripts start it (`python -m {{ cookiecutter.project_slug }}.torchrun`, the same options),
-ending in one line where torchrun would print a traceback or a report of what a worker said already:
-- a stop by Ctrl-C or SIGTERM: exit code 128 + the signal's number; torchrun passes the signal on
-  to its workers, which print their own line each (SIGTERM: they stop after the next optimizer step
-  with a checkpoint); workers that got SIGTERM themselves end with 143, and so does torchrun;
-- a worker whose own line says it all (the doctor's failed check, where that extra is baked): its
-  exit code and its line, nothing after it (training keeps torchrun's code 1 and report for a
-  worker's exit code 2);
-- a lost rendezvous (the node that held it is gone, or nodes never came): exit code 1.
+ending in one line where torchrun would print a traceback: Ctrl-C or SIGTERM exits 128 + the signal
+(workers that got SIGTERM end with 143, and so does torchrun), a lost rendezvous 1, and a worker whose
+own line says it all (the doctor's failed check) its own code. docs/launching.md tells the story.
 """
 
 import logging
@@ -29,11 +24,11 @@ from .extras import plug
 # when torchrun, seeing the first worker end, stopped one that was already on its way out.
 TERMINATED = (128 + signal.SIGTERM, -signal.SIGTERM)
 said_by_the_worker = plug("doctor", "hangs:said_by_the_worker", default=lambda args: ())
+said_it_all = plug("doctor", "hangs:said_it_all", default=lambda failed, codes: None)
 
 
 class _SaidByTheLine(logging.Filter):
-    """torchrun's own notes of what the one line says: a failed worker's exit code among `codes`,
-    the signals it sent, a rendezvous it could not close."""
+    """Drops torchrun's notes of what the one line says (a worker's exit code among `codes`, signals)."""
 
     def __init__(self, codes: tuple[int, ...]):
         super().__init__()
@@ -58,14 +53,6 @@ def rendezvous_failure(error: RendezvousError, endpoint: str, nnodes: str) -> st
         what = f"failed at the rendezvous at {endpoint} ({type(error).__name__}: {error})"
     return (f"error: torchrun {what}; the job stops: start every node again (with --resume_from_checkpoint auto "
             "it resumes from the newest checkpoint)")
-
-
-def said_it_all(failed: ChildFailedError, codes: tuple[int, ...]) -> int | None:
-    """The exit code of the first worker to fail where it is one of `codes` (its line said it all)
-    and torchrun stopped any other that had not; else None."""
-    first = failed.get_first_failure()[1].exitcode
-    ended = {failure.exitcode for failure in failed.failures.values()}
-    return first if first in codes and ended <= {first, -signal.SIGTERM} else None
 
 
 if __name__ == "__main__":

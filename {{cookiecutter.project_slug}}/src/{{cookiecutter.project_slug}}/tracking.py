@@ -1,7 +1,6 @@
 """The run's record, written by the main process only: `metrics.jsonl` (one JSON object per
-optimizer step and per evaluation, appended to on resume), Weights & Biases (the W&B step is the
-optimizer step; keys under `train/` and `eval/`; offline without an API key, which this code never
-writes anywhere) and the progress line. docs/guarantees.md lists the keys.
+optimizer step and per evaluation), Weights & Biases (step = optimizer step; `train/`, `eval/`;
+offline without an API key) and the progress line. docs/guarantees.md lists the keys.
 """
 
 import contextlib
@@ -66,11 +65,9 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-    """The line a user watches, on rank 0's stdout: every `log_every` optimizer steps and after the
-    last one, `step 120/3900 | loss 3.2140 | lr 2.90e-04 | grad_norm 0.93 | 41.2k tok/s | eta 1h02m`,
-    then what else the step's record holds (mfu, the gradient noise scale, all-reduces per step, a
-    skipped step, a new batch shape). On a terminal a live bar shows every step between those lines;
-    elsewhere (a SLURM log) only plain lines."""
+    """Rank 0's line every `log_every` steps and after the last, `step 120/3900 | loss 3.2140 | lr
+    2.90e-04 | grad_norm 0.93 | 41.2k tok/s | eta 1h02m` and what else the record holds; on a
+    terminal a live bar shows the steps between, elsewhere (a SLURM log) only plain lines."""
 
     LINES_PER_RUN = 30  # log_every 0: about this many lines, whatever the run's length
 
@@ -138,9 +135,8 @@ class Progress:
 
 
 def set_aside(path: Path, step: int) -> None:
-    """Each optimizer step once in metrics.jsonl: the records after `step` (a resumed job's
-    checkpoint; 0 for a fresh run, whose folder may hold a crashed run's records) and any line a
-    crash cut short move to metrics.dropped.jsonl, appended there, never lost; one line says so."""
+    """Each step once in metrics.jsonl: records after `step` (0 for a fresh run) and lines a crash cut
+    short move to metrics.dropped.jsonl (appended, never lost), with one line."""
     kept, dropped = [], []
     for line in path.read_text().splitlines() if path.is_file() else []:
         if not line.strip():
@@ -163,8 +159,7 @@ def set_aside(path: Path, step: int) -> None:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append `line` whole, or not at all: where the disk is full, a part written is cut off again
-    (the file stays strict JSON lines) and the job stops with one line."""
+    """Append `line` whole or not at all (a part written to a full disk is cut off); one line on failure."""
     data = (line + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -182,10 +177,7 @@ def append_line(path: Path, line: str) -> None:
 
 
 class Tracker:
-    """Rank 0 writes; other ranks hold a Tracker that does nothing.
-
-    W&B runs through Accelerate's tracker when an `accelerator` is given, else through wandb.init.
-    """
+    """Rank 0 writes (W&B through `accelerator`'s tracker where given); other ranks do nothing."""
 
     def __init__(self, cfg: TrainConfig, env: DistEnv, plan: BatchPlan, total_steps: int, start_step: int,
                  resumed: bool, accelerator=None):
@@ -203,9 +195,8 @@ class Tracker:
             self.wandb_run = _init_wandb(cfg, env, plan, resumed, accelerator)
 
     def log(self, record: dict) -> None:
-        """Append one record (a training step or an evaluation) and send it to W&B; a step's record
-        also moves the progress line. A value that is not a finite number (a diverging step's loss)
-        is written as null: the file stays strict JSON."""
+        """Append one record (a step or an evaluation), send it to W&B and move the progress line; a
+        value that is not finite (a diverging loss) is written as null: the file stays strict JSON."""
         if not self.active:
             return
         record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
@@ -245,40 +236,31 @@ def wandb_settings(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: boo
     run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
     slurm_job = os.environ.get("SLURM_JOB_ID")
     run_config = {**cfg.to_dict(), "world_size": env.world_size, "num_nodes": env.num_nodes,
-                  "grad_accum_steps": plan.grad_accum_steps,
-                  "global_batch_size": plan.global_batch_size, "slurm_job_id": slurm_job}
-    init = {
-        "entity": cfg.wandb_entity or None,
-        "name": run_name(env, plan),
-        "group": slurm_job,
-        "id": run_id,
-        "resume": "allow" if run_id else None,
-        "mode": os.environ.get("WANDB_MODE") or ("online" if _has_wandb_key() else "offline"),
-        "dir": None if os.environ.get("WANDB_DIR") else cfg.output_dir,
-    }
+                  "grad_accum_steps": plan.grad_accum_steps, "global_batch_size": plan.global_batch_size,
+                  "slurm_job_id": slurm_job}
+    init = {"entity": cfg.wandb_entity or None, "name": run_name(env, plan), "group": slurm_job, "id": run_id,
+            "resume": "allow" if run_id else None,
+            "mode": os.environ.get("WANDB_MODE") or ("online" if _has_wandb_key() else "offline"),
+            "dir": None if os.environ.get("WANDB_DIR") else cfg.output_dir}
     return run_config, init
 
 
 def _init_wandb(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool, accelerator):
-    """The W&B run; where W&B cannot reach its server (no network, a firewall), the run logs
-    offline instead, with one line: training does not stop for its record."""
+    """The W&B run; one that cannot reach its server logs offline instead, with one line."""
     import wandb
 
     run_config, init = wandb_settings(cfg, env, plan, resumed)
+
+    def start(init: dict):
+        if accelerator is None:
+            return wandb.init(project=cfg.wandb_project, config=run_config, **init)
+        accelerator.init_trackers(cfg.wandb_project, config=run_config, init_kwargs={"wandb": init})
+        return accelerator.get_tracker("wandb", unwrap=True)
+
     try:
-        run = _start_wandb(cfg, run_config, init, accelerator)
+        run = start(init)
     except wandb.errors.CommError as err:
         print0(f"note: W&B cannot reach its server ({first_line(err)}); this run logs offline instead")
-        run = _start_wandb(cfg, run_config, {**init, "mode": "offline"}, accelerator)
+        run = start({**init, "mode": "offline"})
     (Path(cfg.output_dir) / "wandb_run_id").write_text(run.id)
     return run
-
-
-def _start_wandb(cfg: TrainConfig, run_config: dict, init: dict, accelerator):
-    if accelerator is None:
-        import wandb
-
-        return wandb.init(project=cfg.wandb_project, config=run_config, **init)
-    # through Accelerate's tracker (Accelerator(log_with="wandb"))
-    accelerator.init_trackers(cfg.wandb_project, config=run_config, init_kwargs={"wandb": init})
-    return accelerator.get_tracker("wandb", unwrap=True)
