@@ -41,7 +41,6 @@ from conftest import (
     max_loss_diff,
     report,
     run_entry,
-    run_with_publish_hook,
     worker_error_lines,
 )
 
@@ -261,25 +260,44 @@ def test_a_job_killed_after_an_asynchronous_checkpoint_was_written_resumes_from_
     assert_same_training(resumed, fsdp_run(runs, "full_shard", "micro_step"))
 
 
-@pytest.mark.slow
-def test_a_full_disk_while_a_sharded_checkpoint_is_written_is_one_line_per_process(runs, tmp_path):
-    """As DDP's (test_faults.py): DCP's error (a BaseException, every rank alike) is the one line of
-    each process; the partial folder is removed and the resume starts from the one before."""
-    flags, out = {**ACCUM, "fsdp": "full_shard", "save_steps": 2}, tmp_path / "out"
-    proc = run_with_publish_hook("pytorch", """
-        done = publish(cfg, env, written, final, state)
-        if state["step"] == 2:  # from now on no file may grow past 100 kB: the next shards do not fit
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() fails with EFBIG, as a full disk with ENOSPC
+# train_pytorch with DCP's writes wrapped: from step 4's checkpoint on no file may grow past 100 kB
+# (write() then fails with EFBIG, as a full disk with ENOSPC): its shards do not fit
+FULL_AT_STEP_4 = f"""import resource, signal
+import torch.distributed.checkpoint as dcp
+from {SLUG} import train_pytorch
+
+def filling(save):
+    def save_until_full(state, *, checkpoint_id, **kwargs):
+        if "step_4" in str(checkpoint_id):
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
-        return done""", flags, out, runs.env)
-    assert proc.returncode == 1, proc.stderr[-3000:]
+        return save(state, checkpoint_id=checkpoint_id, **kwargs)
+    return save_until_full
+
+dcp.save, dcp.async_save = filling(dcp.save), filling(dcp.async_save)
+train_pytorch.main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_checkpoint", ["false", "true"])
+def test_a_full_disk_while_a_sharded_checkpoint_is_written_is_one_line_per_process(runs, tmp_path, async_checkpoint):
+    """As DDP's (test_faults.py): DCP's error (a BaseException, every rank alike) is the one line of
+    each process, in the background too; the partial folder is removed, the one before kept."""
+    flags = {**ACCUM, "fsdp": "full_shard", "save_steps": 2, "async_checkpoint": async_checkpoint}
+    out, script = tmp_path / "out", tmp_path / "full_at_step_4.py"
+    script.write_text(FULL_AT_STEP_4)
+    cmd = launch_cmd("pytorch", 2)
+    cmd[-2:] = [str(script)]
+    proc = subprocess.run(cmd + flag_args(flags) + ["--output_dir", str(out)], cwd=ROOT, env=runs.env,
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 1 and "exitcode  : 1" in proc.stderr, proc.stderr[-3000:]
     lines = error_lines(proc.stderr)
-    written = re.compile(r"error: could not write step_4 \(OSError: \[Errno 27\] File too large.*\); the newest "
+    written = re.compile(r"error: could not write step_4 \(OSError: \[Errno 27\] File too large\); the newest "
                          f"complete checkpoint is {re.escape(str(out / 'checkpoints' / 'step_2'))}: free space")
     assert len(lines) == 2 and all(written.match(line) for line in lines), proc.stderr[-3000:]
     assert not re.search(r"\[rank\d\]: Traceback|CheckpointException", proc.stderr), proc.stderr[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]  # partial writes removed
-    report(f"fsdp full disk: {len(proc.stderr.splitlines())} stderr lines (torchrun's report included)")
 
 
 # A pickle that calls os.system: "posix" and "system" pushed, two harmless names pushed and popped
