@@ -12,6 +12,11 @@ import time
 import pytest
 import torch
 
+from {{ cookiecutter.project_slug }}.config import load_config
+from {{ cookiecutter.project_slug }}.doctor import doctor
+from {{ cookiecutter.project_slug }}.errors import ConfigError
+from {{ cookiecutter.project_slug }}.extras import BAKED
+
 from conftest import GPUS, ROOT, SLUG, error_lines, free_port, one_error_line, report
 
 TIMEOUT_S = 120
@@ -111,6 +116,33 @@ def test_a_rank_that_never_joins_is_one_line_within_the_rendezvous_timeout(env):
     assert seconds < timeout_s + 30, seconds  # the wait, and the start-up of a process on a busy machine
     report(f"doctor, a rank missing: one line after {seconds:.1f} s (rendezvous_timeout_s {timeout_s}, "
            "start-up included)")
+
+
+PLAN = "global_batch_size 64 is not divisible by micro_batch_size 8 x world_size 3 = 24"
+
+
+@pytest.mark.parametrize("world_size,flags,expected", [
+    (3, {"global_batch_size": 64, "micro_batch_size": 8}, PLAN),
+    pytest.param(2, {"global_batch_size": 8, "micro_batch_size": 2, "fsdp": "hybrid_shard", "fsdp_replicas": 3},
+                 "fsdp_replicas 3 does not divide the world size 2", id="fsdp_replicas",
+                 marks=pytest.mark.skipif("fsdp" not in BAKED, reason="the fsdp extra is not baked")),
+], ids=["batch", "fsdp_replicas"])
+def test_a_world_size_that_training_refuses_the_doctor_refuses_before_the_ranks_meet(env, monkeypatch, world_size,
+                                                                                   flags, expected):
+    """Training's own checks (the batch plan, FSDP's mesh), on each rank before it joins: no rank waits."""
+    for name, value in rank_env(env, 0, world_size, free_port()).items():
+        monkeypatch.setenv(name, value)
+    args = [arg for key, value in flags.items() for arg in (f"--{key}", str(value))]
+    with pytest.raises(ConfigError, match=f"^{re.escape(expected)}"):
+        doctor(load_config(args))
+
+
+def test_the_doctor_of_a_world_size_that_training_refuses_is_one_line_and_exit_2(env):
+    """Rank 0 of 3, alone: it says the batch cannot be shared before it waits for anyone."""
+    proc = subprocess.run([sys.executable, "-m", f"{SLUG}.doctor", "--global_batch_size", "64", "--micro_batch_size",
+                           "8"], cwd=ROOT, env=rank_env(env, 0, 3, free_port()), capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    one_error_line(proc, f"error: {PLAN}")
 
 
 SBATCH = sorted((ROOT / "scripts" / "slurm").glob("*.sbatch"))

@@ -34,6 +34,7 @@ from conftest import (
     TOL,
     assert_same_training,
     cell,
+    error_lines,
     flag_args,
     launch_cmd,
     max_abs_diff,
@@ -210,6 +211,93 @@ def test_a_job_killed_while_an_asynchronous_checkpoint_is_written_resumes_from_t
     assert "resuming after step 4" in resumed.stdout
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_4", "step_8"]
     assert_same_training(resumed, fsdp_run(runs, "full_shard", "micro_step"))
+
+
+# train_pytorch with async_save wrapped: both processes are killed (SIGKILL) as step 7 begins, once
+# step 4's background write is done (rank 0 gives the checkpoint up to 60 s to appear), nothing
+# having waited for it in the loop (the next save, step 8, would)
+KILLED_AFTER_WRITTEN = f"""import os, signal, time
+import torch.distributed.checkpoint as dcp
+from {SLUG} import session, train_pytorch
+started, writes = dcp.async_save, []
+
+def recorded(state, *, checkpoint_id, **kwargs):
+    writes.append(started(state, checkpoint_id=checkpoint_id, **kwargs))
+    return writes[-1]
+
+def at_step(step):
+    if step == 7:
+        writes[-1].exception()  # its write is done (or failed)
+        published = time.monotonic() + 60
+        while os.environ["RANK"] == "0" and time.monotonic() < published and not os.path.exists(os.path.join(
+                os.environ["OUTPUT_DIR"], "checkpoints", "step_4", "state.json")):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+dcp.async_save, session.at_step = recorded, at_step
+train_pytorch.main()
+"""
+
+
+@pytest.mark.slow
+def test_a_job_killed_after_an_asynchronous_checkpoint_was_written_resumes_from_it(runs, tmp_path):
+    flags, out = {**ACCUM, "fsdp": "full_shard", "async_checkpoint": "true", "save_steps": 4}, tmp_path / "out"
+    script = tmp_path / "killed_after_written.py"
+    script.write_text(KILLED_AFTER_WRITTEN)
+    cmd = launch_cmd("pytorch", 2)
+    cmd[-2:] = [str(script)]
+    proc = subprocess.run(cmd + flag_args(flags) + ["--output_dir", str(out)], cwd=ROOT,
+                          env={**runs.env, "OUTPUT_DIR": str(out)}, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 1 and "exitcode  : -9" in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_4"], proc.stdout[-3000:]
+    steps = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps[-1] == 6  # killed as step 7 began, 2 steps after step 4's checkpoint
+
+    resumed = runs.run("pytorch", 2, out, {**flags, "resume_from_checkpoint": "auto"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming after step 4 from {out / 'checkpoints' / 'step_4'}" in resumed.stdout
+    assert_same_training(resumed, fsdp_run(runs, "full_shard", "micro_step"))
+
+
+# train_pytorch with DCP's writes wrapped: from step 4's checkpoint on no file may grow past 100 kB
+# (write() then fails with EFBIG, as a full disk with ENOSPC): its shards do not fit
+FULL_AT_STEP_4 = f"""import resource, signal
+import torch.distributed.checkpoint as dcp
+from {SLUG} import train_pytorch
+
+def filling(save):
+    def save_until_full(state, *, checkpoint_id, **kwargs):
+        if "step_4" in str(checkpoint_id):
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+        return save(state, checkpoint_id=checkpoint_id, **kwargs)
+    return save_until_full
+
+dcp.save, dcp.async_save = filling(dcp.save), filling(dcp.async_save)
+train_pytorch.main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_checkpoint", ["false", "true"])
+def test_a_full_disk_while_a_sharded_checkpoint_is_written_is_one_line_per_process(runs, tmp_path, async_checkpoint):
+    """As DDP's (test_faults.py): DCP's error (a BaseException, every rank alike) is the one line of
+    each process, in the background too; the partial folder is removed, the one before kept."""
+    flags = {**ACCUM, "fsdp": "full_shard", "save_steps": 2, "async_checkpoint": async_checkpoint}
+    out, script = tmp_path / "out", tmp_path / "full_at_step_4.py"
+    script.write_text(FULL_AT_STEP_4)
+    cmd = launch_cmd("pytorch", 2)
+    cmd[-2:] = [str(script)]
+    proc = subprocess.run(cmd + flag_args(flags) + ["--output_dir", str(out)], cwd=ROOT, env=runs.env,
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 1 and "exitcode  : 1" in proc.stderr, proc.stderr[-3000:]
+    lines = error_lines(proc.stderr)
+    written = re.compile(r"error: could not write step_4 \(OSError: \[Errno 27\] File too large\); the newest "
+                         f"complete checkpoint is {re.escape(str(out / 'checkpoints' / 'step_2'))}: free space")
+    assert len(lines) == 2 and all(written.match(line) for line in lines), proc.stderr[-3000:]
+    assert not re.search(r"\[rank\d\]: Traceback|CheckpointException", proc.stderr), proc.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]  # partial writes removed
 
 
 # A pickle that calls os.system: "posix" and "system" pushed, two harmless names pushed and popped

@@ -1,6 +1,7 @@
 """A collective the ranks disagree on, made for real on 2 gloo processes (collective_mismatch.py:
 rank 1's all-reduce of step 3 sums one value more): the job ends with one line that names the
-collective, the step and the rank that did not arrive, and a debug file per surviving rank."""
+collective, the step and the rank that did not arrive, and a debug file per surviving rank.
+debug_distributed, which DDP on gloo cannot run, is refused before anything is written."""
 
 import json
 import subprocess
@@ -9,18 +10,17 @@ import time
 
 import pytest
 
-from {{ cookiecutter.project_slug }}.config import load_config
+from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 
-from conftest import ROOT, SLUG, error_lines, flag_args, free_port
+from conftest import ROOT, SLUG, error_lines, flag_args, free_port, one_error_line
 
 FLAGS = {"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 6, "collective_timeout_s": 30}
 
 
-def mismatched(out, env, debug: bool) -> tuple[subprocess.CompletedProcess, float]:
+def mismatched(out, env) -> tuple[subprocess.CompletedProcess, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(ROOT / "tests" / "collective_mismatch.py"), "1:3",
-           f"{SLUG}.train_pytorch", *flag_args({**FLAGS, "debug_distributed": str(debug).lower()}),
-           "--output_dir", str(out)]
+           f"{SLUG}.train_pytorch", *flag_args(FLAGS), "--output_dir", str(out)]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     return proc, time.monotonic() - start
@@ -36,7 +36,7 @@ def test_a_collective_of_another_shape_ends_the_job_naming_the_collective_and_th
     """gloo aborts the rank that receives more bytes than its own all-reduce holds (rank 0, in C++:
     no line, no file); rank 1 loses contact, waits 10 s for rank 0's word, and says what it knows."""
     out = tmp_path / "out"
-    proc, seconds = mismatched(out, env, debug=False)
+    proc, seconds = mismatched(out, env)
     assert proc.returncode == 1 and seconds < 60, (seconds, proc.stderr[-3000:])
     assert "Received data size doesn't match expected size" in proc.stderr  # gloo's abort of rank 0
     lines = error_lines(proc.stderr)
@@ -51,16 +51,29 @@ def test_a_collective_of_another_shape_ends_the_job_naming_the_collective_and_th
     assert entries[-1]["profiling_name"] == "gloo:all_reduce" and entries[-1]["input_sizes"] == [[5]]
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="torch 2.13 (CPU, gloo): DistributedDataParallel's constructor segfaults "
-                   "under TORCH_DISTRIBUTED_DEBUG=DETAIL (2 processes, a Linear layer, nothing of ours)")
-def test_with_debug_distributed_the_ranks_name_the_shapes_they_disagree_on(env, tmp_path):
+def refused(cfg_args: list[str]):
+    with pytest.raises(ConfigError, match="^debug_distributed with DDP on gloo "):
+        load_config(cfg_args)
+
+
+def test_debug_distributed_with_ddp_on_gloo_is_refused_up_front(monkeypatch):
+    """torch 2.13's DDP constructor crashes the process under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
+    (2 processes, a Linear layer, nothing of ours): several processes on gloo are refused; one
+    process (no DDP) is not."""
+    monkeypatch.setenv("DIST_BACKEND", "gloo")
+    assert load_config(["--debug_distributed", "true"]).debug_distributed is True  # WORLD_SIZE unset: 1 process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    refused(["--debug_distributed", "true"])
+    assert load_config(["--debug_distributed", "false"]).debug_distributed is False
+
+
+def test_debug_distributed_on_gloo_is_one_line_exit_2_and_no_lock(env, tmp_path):
+    """A worker of a job of 2 on gloo: one line and exit 2, before output_dir (and its lock) exists."""
     out = tmp_path / "out"
-    proc, seconds = mismatched(out, env, debug=True)
-    lines = error_lines(proc.stderr)
-    assert proc.returncode == 1 and seconds < 60 and len(lines) == 2, proc.stderr[-3000:]
-    assert all(line.startswith("error: the processes ran different collectives (Tensor Tensor shapes: ")
-               for line in lines), lines
-    for rank in (0, 1):
-        report = json.loads((out / "debug" / f"rank_{rank}.json").read_text())
-        assert report["debug_level"] == "DETAIL" and "Detected mismatch" in report["error"]
+    worker = {**env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+              "MASTER_PORT": str(free_port()), "DIST_BACKEND": "gloo"}
+    proc = subprocess.run([sys.executable, "-m", f"{SLUG}.train_pytorch", *flag_args({**FLAGS,
+                           "debug_distributed": "true"}), "--output_dir", str(out)], cwd=ROOT, env=worker,
+                          capture_output=True, text=True, timeout=120)
+    one_error_line(proc, "error: debug_distributed with DDP on gloo (no GPU here, or DIST_BACKEND=gloo): torch ")
+    assert not out.exists()

@@ -374,24 +374,24 @@ def room_elsewhere(output_dir: str) -> Path | None:
 
 
 def publish(cfg: TrainConfig, env: DistEnv, written: Path, final: Path, state: dict) -> Path:
-    """Once every process has written `written`: its state.json (`state`, file sizes), renamed to
-    `final`; of checkpoints the newest save_total_limit are kept."""
-
-    def mark_complete() -> None:
-        if env.is_main_process:
-            (written / "training_args.bin").unlink(missing_ok=True)  # the Trainer's pickle; nothing reads it
-            files = {p.relative_to(written).as_posix(): p.stat().st_size
-                     for p in sorted(written.rglob("*")) if p.is_file()}
-            (written / STATE_FILE).write_text(json.dumps({**state, "files": files}, indent=2))
-            shutil.rmtree(final, ignore_errors=True)
-            written.rename(final)
-
+    """Once every process has finished writing `written`: mark it complete (rank 0); every process
+    then goes on."""
     barrier()
-    _attempt(env, cfg.output_dir, final.name, mark_complete)
-    if env.is_main_process and final.parent == checkpoints_dir(cfg.output_dir):
+    _attempt(env, cfg.output_dir, final.name, lambda: env.is_main_process and mark_complete(cfg, written, final, state))
+    barrier()
+    return final
+
+
+def mark_complete(cfg: TrainConfig, written: Path, final: Path, state: dict) -> None:
+    """On one process: record `state` and the size of every file of `written` in its state.json,
+    rename it to `final` and, for checkpoints, keep the newest save_total_limit."""
+    (written / "training_args.bin").unlink(missing_ok=True)  # the Trainer's pickle; nothing reads it
+    files = {p.relative_to(written).as_posix(): p.stat().st_size for p in sorted(written.rglob("*")) if p.is_file()}
+    (written / STATE_FILE).write_text(json.dumps({**state, "files": files}, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    written.rename(final)
+    if final.parent == checkpoints_dir(cfg.output_dir):
         if cfg.save_total_limit:
             for old in complete_checkpoints(cfg.output_dir)[:-cfg.save_total_limit]:
                 shutil.rmtree(old)
         print0(f"checkpoint: {final}")
-    barrier()
-    return final

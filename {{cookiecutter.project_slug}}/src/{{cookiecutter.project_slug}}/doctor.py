@@ -8,7 +8,8 @@ interface, rendezvous address, library versions and free memory, and times a che
 
 Exit code 0 when every rank agrees and the all-reduce sums exactly; 2 and one line naming the rank
 otherwise: another library version, CUDA, interface or rendezvous address, a wrong sum, or ranks
-that did not join within rendezvous_timeout_s (docs/launching.md, "The doctor").
+that did not join within rendezvous_timeout_s (docs/launching.md, "The doctor"); a world size that
+training refuses (the batch, fsdp_replicas) is its one line, before the ranks meet.
 """
 
 import fcntl
@@ -23,10 +24,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from .batch import plan_batches
 from .cli import run_cli
 from .config import TrainConfig
 from .distributed import DistEnv, dist_env, init_distributed, print0
 from .errors import JobFailed
+from .launch import check_sharding, launch_of
+from .startup import schedule_of
 
 LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed")
 # What must be the same on every rank, in the table's order; host, device and free memory may differ.
@@ -162,8 +166,19 @@ def missing(err: JobFailed, env: DistEnv) -> str:
     return "not every rank joined"
 
 
+def check_world_size(cfg: TrainConfig, env: DistEnv) -> None:
+    """Training's own checks of this launch's world size (ConfigError): the batch plan (a global
+    batch the processes cannot share; an automatic micro batch is measured by training) and FSDP's
+    mesh. The doctor cannot tell the entry point: train_pytorch's, the one with FSDP."""
+    if cfg.micro_batch_size != "auto":
+        plan_batches(cfg.global_batch_size, cfg.micro_batch_size, env.world_size,
+                     schedule=schedule_of(cfg, launch_of(cfg, "pytorch")))
+    check_sharding(cfg, env, "pytorch")
+
+
 def doctor(cfg: TrainConfig) -> int | None:
     env = dist_env()
+    check_world_size(cfg, env)  # before the ranks meet: each says it, as training would
     try:
         init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s, alone_too=True)
     except JobFailed as err:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .errors import ConfigError
 from .extras import key
 
 FLIGHT_RECORDER_ENTRIES = "2000"  # torch's Flight Recorder: the latest collectives of each process
@@ -38,6 +39,17 @@ class Keys:
         "the same shapes, so a mismatch fails at once with a description instead of hanging (slower: a "
         "check per collective). Either way a failed collective leaves output_dir/debug/rank_<r>.json.", False,
         resume="free", data=False)
+
+
+def check(cfg) -> None:
+    """debug_distributed where torch cannot run it: DDP on gloo (several processes, no GPU or
+    DIST_BACKEND=gloo), whose constructor crashes the process under DETAIL (torch 2.13)."""
+    several = os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1")
+    gloo = os.environ.get("DIST_BACKEND") == "gloo" or not (os.environ.get("DIST_BACKEND") or torch.cuda.is_available())
+    if cfg.debug_distributed and several and gloo and getattr(cfg, "fsdp", "none") == "none":
+        raise ConfigError(f"debug_distributed with DDP on gloo (no GPU here, or DIST_BACKEND=gloo): torch "
+                          f"{torch.__version__}'s DDP crashes under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo; drop "
+                          "--debug_distributed, or use it on GPUs (nccl)")
 
 
 def watch(cfg) -> None:

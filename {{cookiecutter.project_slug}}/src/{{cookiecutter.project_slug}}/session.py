@@ -57,7 +57,7 @@ Retry = plug("auto_batch", "memory:MicroBatchRetry", default=Without)  # micro_b
 Noise = plug("batch_schedule", "noise:SessionNoise", default=Without)  # the gradient noise scale
 
 at_step = plug("doctor", "hangs:at_step", default=lambda step: None)  # the step a failed collective names
-# a checkpoint whose files an extra writes in the background: published later, by the `finish()` it gives
+# a checkpoint whose files an extra writes in the background: published once written; `finish()` waits for it
 write_checkpoint = plug("fsdp", "sharding:write_in_background", default=write_atomically)
 
 
@@ -216,7 +216,7 @@ class Session:
 
     def save_checkpoint(self, step: int, write) -> None:
         """checkpoints/step_<step>, written by `write(folder)` on every process, atomically (a write
-        still under way in the background is published at the next save, or at the end)."""
+        in the background is published once written; the next save, or the end, waits for it)."""
         self.finish_checkpoint()
         written = write_checkpoint(self.cfg, self.env, checkpoints_dir(self.cfg.output_dir) / f"step_{step}", write,
                                    self.state(step))

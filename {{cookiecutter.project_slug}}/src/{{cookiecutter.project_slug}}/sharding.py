@@ -6,10 +6,11 @@ unsharded model. docs/memory.md says which mode to pick.
 """
 
 import shutil
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from .checkpoint import _attempt, older_that_loads, publish, write_atomically
+from .checkpoint import _attempt, mark_complete, older_that_loads, publish, write_atomically
 from .config import TrainConfig
 from .distributed import DistEnv, init_distributed
 from .errors import JobFailed, first_line
@@ -125,8 +126,8 @@ class Sharded:
         self.background = dist.new_group(backend="gloo") if cfg.async_checkpoint else None  # save_sharded's
 
     def save(self, optimizer, folder: Path, training: dict) -> Future | None:
-        """Each rank writes its shards (in the background: their Future, published later); rank 0
-        the rest of the training state."""
+        """Each rank writes its shards (in the background: their Future, published once written);
+        rank 0 the rest of the training state."""
         written = save_sharded(self.model, optimizer, folder, self.background)
         if self.env.is_main_process:
             torch.save(training, folder / "training_state.pt")
@@ -153,10 +154,28 @@ def save_sharded(model: torch.nn.Module, optimizer, folder: Path, background=Non
     training's and hang) the state is copied to host memory, written by a thread while training
     goes on, and its Future returned."""
     state = training_state(model, optimizer)
-    if background is None:
-        dcp.save(state, checkpoint_id=folder / DCP_DIR)
-        return None
-    return dcp.async_save(state, checkpoint_id=folder / DCP_DIR, process_group=background)
+    try:
+        if background is None:
+            dcp.save(state, checkpoint_id=folder / DCP_DIR)
+            return None
+        return dcp.async_save(state, checkpoint_id=folder / DCP_DIR, process_group=background)
+    except dcp.CheckpointException as err:  # a full disk on some rank: checkpoint._attempt's one line
+        raise failure(err) from None
+
+
+def failure(err: BaseException) -> BaseException:
+    """The error of the first rank that failed, from DCP's CheckpointException (a BaseException,
+    raised on every rank alike, that no `except Exception` catches); any other error as it is."""
+    failures = getattr(err, "failures", None)
+    return next(iter(failures.values()))[0] if failures else err
+
+
+def written(future: Future) -> None:
+    """Wait for a write in the background; its failure as failure() gives it."""
+    try:
+        future.result()
+    except dcp.CheckpointException as err:
+        raise failure(err) from None
 
 
 def load_sharded(model: torch.nn.Module, optimizer, folder: Path) -> None:
@@ -166,9 +185,7 @@ def load_sharded(model: torch.nn.Module, optimizer, folder: Path) -> None:
     try:
         dcp.load(state, checkpoint_id=folder / DCP_DIR, no_dist=not dist.is_initialized())
     except (Exception, dcp.CheckpointException) as err:  # a shard damaged in place (its size kept)
-        # DCP's CheckpointException (a BaseException) tells every rank alike: each failed rank's error
-        failures = getattr(err, "failures", None)
-        reason = next(iter(failures.values()))[0] if failures else err
+        reason = failure(err)
         raise JobFailed(f"checkpoint {folder} cannot be loaded: a shard in {folder / DCP_DIR} is damaged "
                         f"({type(reason).__name__}: {first_line(reason)}); {older_that_loads(folder)}",
                         exit_code=2, agreed=True) from None
@@ -208,9 +225,12 @@ def whole_model_state(model: torch.nn.Module) -> dict:
 
 @dataclass
 class PendingWrite:
-    """A folder whose files are still being written in the background (an asynchronous checkpoint):
-    `finish()` waits for them on every process, then publishes it. Until then, and if the job dies
-    first, the newest complete checkpoint stays the one before."""
+    """A folder whose files are still being written in the background (an asynchronous checkpoint),
+    published as soon as they are: by rank 0's writer thread, when its write is done (DCP finishes
+    it only after every rank's write, writing the index of them all), with no collective of
+    training's. `finish()` (the next save, the end) waits for it on every process; a failed write
+    is then every process's one line. If the job dies first, the newest complete checkpoint is
+    the one before."""
 
     cfg: TrainConfig
     env: DistEnv
@@ -218,11 +238,33 @@ class PendingWrite:
     final: Path
     state: dict
     written: Future
+    marked: threading.Event = field(default_factory=threading.Event)  # rank 0's thread is done with it
+    error: Exception | None = None  # what rank 0's thread met marking it complete
+
+    def __post_init__(self):
+        if self.env.is_main_process:
+            self.written.add_done_callback(self._mark_complete)
+
+    def _mark_complete(self, future: Future) -> None:
+        try:
+            if future.exception() is None:  # else finish() says why, on every process
+                mark_complete(self.cfg, self.tmp, self.final, self.state)
+        except Exception as err:  # a full disk: finish() says it
+            self.error = err
+        finally:
+            self.marked.set()
 
     def finish(self) -> Path:
+        def wait() -> None:
+            written(self.written)
+            if self.env.is_main_process:
+                self.marked.wait()
+                if self.error is not None:
+                    raise self.error
+
         try:
-            _attempt(self.env, self.cfg.output_dir, self.final.name, self.written.result)
-            return publish(self.cfg, self.env, self.tmp, self.final, self.state)
+            _attempt(self.env, self.cfg.output_dir, self.final.name, wait)
+            return self.final
         except JobFailed:
             if self.env.is_main_process:
                 shutil.rmtree(self.tmp, ignore_errors=True)
