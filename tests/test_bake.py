@@ -129,8 +129,8 @@ def test_baked_project_is_lint_clean(baked, task, entry_points, deepspeed_stage)
 
 # `extras` answers, as typed, and the extras each bakes (any case, spaces around the names).
 EXTRAS_ANSWERS = {"none": (), "all": EXTRAS, "fsdp": ("fsdp",), "Doctor, auto_batch": ("auto_batch", "doctor"),
-                  "batch_schedule": ("batch_schedule",), "benchmarks": ("fsdp", "auto_batch", "batch_schedule",
-                                                                        "benchmarks")}
+                  "batch_schedule": ("batch_schedule",), "safe_checkpoints": ("safe_checkpoints",),
+                  "benchmarks": ("fsdp", "auto_batch", "batch_schedule", "benchmarks")}
 CORE_SIZE = (27, 4400)  # the default bake's src/<slug>: at most this many modules and physical lines
 
 
