@@ -25,6 +25,7 @@ EXTRA_FILES = {
                        "tests/test_batch_schedule.py", "docs/batch.md"],
     "doctor": ["{pkg}/doctor.py", "{pkg}/hangs.py", "tests/test_doctor.py", "tests/doctor_faults.py",
                "tests/test_hangs.py", "tests/collective_mismatch.py"],
+    "safe_checkpoints": ["{pkg}/checkpoint_checks.py", "tests/test_safe_checkpoints.py"],
     "benchmarks": ["benchmarks/__main__.py", "benchmarks/abab.py", "benchmarks/checkpointing.py",
                    "benchmarks/communication.py", "benchmarks/data.py", "benchmarks/harness.py",
                    "benchmarks/library_loops.py", "benchmarks/loss_curves.py", "benchmarks/memory.py",

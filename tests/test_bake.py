@@ -28,7 +28,7 @@ TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".json", ".sh", ".sbatc
 
 
 LAUNCHERS = ("slurm", "kubernetes", "skypilot")
-EXTRAS = ("fsdp", "auto_batch", "batch_schedule", "doctor", "benchmarks")
+EXTRAS = ("fsdp", "auto_batch", "batch_schedule", "doctor", "safe_checkpoints", "benchmarks")
 # What each extra adds to a bake ({pkg}: src/<slug>); benchmarks brings the three extras it measures.
 EXTRA_EXPECTED = {
     "fsdp": {"{pkg}/fsdp.py", "{pkg}/sharding.py"},
@@ -38,6 +38,7 @@ EXTRA_EXPECTED = {
                        "docs/batch.md", "docs/noise_scale.png"},
     "doctor": {"{pkg}/doctor.py", "{pkg}/hangs.py", "tests/test_doctor.py", "tests/doctor_faults.py",
                "tests/test_hangs.py", "tests/collective_mismatch.py"},
+    "safe_checkpoints": {"{pkg}/checkpoint_checks.py", "tests/test_safe_checkpoints.py"},
     "benchmarks": {"tests/test_benchmarks.py", *(f"benchmarks/{m}.py" for m in (
         "__main__", "abab", "checkpointing", "communication", "data", "harness", "library_loops", "loss_curves",
         "memory", "overhead", "startup"))},
@@ -128,8 +129,8 @@ def test_baked_project_is_lint_clean(baked, task, entry_points, deepspeed_stage)
 
 # `extras` answers, as typed, and the extras each bakes (any case, spaces around the names).
 EXTRAS_ANSWERS = {"none": (), "all": EXTRAS, "fsdp": ("fsdp",), "Doctor, auto_batch": ("auto_batch", "doctor"),
-                  "batch_schedule": ("batch_schedule",), "benchmarks": ("fsdp", "auto_batch", "batch_schedule",
-                                                                        "benchmarks")}
+                  "batch_schedule": ("batch_schedule",), "safe_checkpoints": ("safe_checkpoints",),
+                  "benchmarks": ("fsdp", "auto_batch", "batch_schedule", "benchmarks")}
 CORE_SIZE = (27, 4400)  # the default bake's src/<slug>: at most this many modules and physical lines
 
 

@@ -24,10 +24,10 @@ import torch
 import torch.multiprocessing as mp
 
 from {{ cookiecutter.project_slug }}.config import load_config
-from {{ cookiecutter.project_slug }}.distributed import GradSyncCounter, cleanup, init_distributed, wrap_ddp
+from {{ cookiecutter.project_slug }}.distributed import cleanup, init_distributed, sync_counter_for, wrap_ddp
 from {{ cookiecutter.project_slug }}.memory import worst_case_batch
 from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
-from {{ cookiecutter.project_slug }}.noise import NoiseScale, read_norms
+from {{ cookiecutter.project_slug }}.noise import NoiseScale, NoisyGradSyncCounter, read_norms
 from {{ cookiecutter.project_slug }}.optim import build_optimizer
 
 from .common import free_port, parser, prepare_model, train_flags
@@ -50,7 +50,7 @@ NOISE_PAIRS = 40
 def measure(model, cfg, env, config, grad_accum_steps: int, no_sync: bool, steps: int) -> dict:
     """All-reduce calls, bytes and median seconds per optimizer step of one variant, on this rank."""
     ddp_model = wrap_ddp(model, env, cfg.ddp_bucket_cap_mb)  # as train_pytorch wraps it
-    counter = GradSyncCounter(ddp_model)
+    counter = sync_counter_for(ddp_model)
     optimizer = build_optimizer(model, cfg, env.device)
     window = [worst_case_batch(cfg, config, cfg.micro_batch_size, env.device)] * grad_accum_steps
     for _ in range(WARMUP_STEPS):
@@ -72,7 +72,7 @@ def noise_cost(model, cfg, env, config, pairs: int) -> dict:
     noise.read_norms' all-reduce and the estimate; in training the sum rides in the step's one
     all-reduce), ABAB so that drift hits both alike; median seconds."""
     ddp_model = wrap_ddp(model, env, cfg.ddp_bucket_cap_mb)
-    counter, noise = GradSyncCounter(ddp_model), NoiseScale()
+    counter, noise = NoisyGradSyncCounter(ddp_model), NoiseScale()
     optimizer = build_optimizer(model, cfg, env.device)
     window = [worst_case_batch(cfg, config, cfg.micro_batch_size, env.device)] * 4
     for _ in range(WARMUP_STEPS):

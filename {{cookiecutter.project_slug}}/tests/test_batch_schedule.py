@@ -126,8 +126,8 @@ def test_a_scheduled_run_trains_like_one_process_and_resumes_across_a_change(run
 NOISE_SCRIPT = textwrap.dedent("""
     import json, sys
     import torch, torch.distributed as dist
-    from {{ cookiecutter.project_slug }}.distributed import GradSyncCounter, dist_env, init_distributed, wrap_ddp
-    from {{ cookiecutter.project_slug }}.noise import NoiseScale, read_norms
+    from {{ cookiecutter.project_slug }}.distributed import dist_env, init_distributed, wrap_ddp
+    from {{ cookiecutter.project_slug }}.noise import NoiseScale, NoisyGradSyncCounter, read_norms
 
     env = dist_env()
     init_distributed(env, 60, 60)
@@ -139,7 +139,7 @@ NOISE_SCRIPT = textwrap.dedent("""
     model = torch.nn.Linear(d, 1, bias=False).double()
     torch.nn.init.zeros_(model.weight)  # measured at w = 0, where the gradient is -E[x y]
     ddp = wrap_ddp(model, env, 25)
-    counter, noise = GradSyncCounter(ddp), NoiseScale()
+    counter, noise = NoisyGradSyncCounter(ddp), NoiseScale()
     sq_norms, traces, smoothed = [], [], None
     for step in range(steps):
         # the same i.i.d. draw (with replacement) on every rank; rank r takes every world_size-th example

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from .errors import ConfigError, JobFailed, first_line
-from .extras import BAKED
+from .extras import plug
 
 # torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers; Accelerate and the Trainer pass
 # the old name (same effect), so its deprecation warning is left out.
@@ -219,50 +219,30 @@ def wrap_ddp(model: torch.nn.Module, env: DistEnv, bucket_cap_mb: float) -> DDP:
 
 
 def sync_counter_for(model) -> "GradSyncCounter | None":
-    """A GradSyncCounter on a prepared model's DDP module (under torch.compile too); None without DDP."""
+    """A GradSyncCounter on a prepared model's DDP module (under torch.compile too; with the
+    batch_schedule extra, one that also reads the noise scale's squared norms); None without DDP."""
+    counter = plug("batch_schedule", "noise:NoisyGradSyncCounter", default=GradSyncCounter)
     ddp = getattr(model, "_orig_mod", model)
-    return GradSyncCounter(ddp) if isinstance(ddp, DDP) else None
+    return counter(ddp) if isinstance(ddp, DDP) else None
 
 
 class GradSyncCounter:
     """A DDP communication hook around the default all-reduce (DDP takes one): counts the all-reduce
-    calls and bytes DDP really sends and, with the batch_schedule extra, each bucket's squared norm
-    before and after it (noise.py). `take()`, `take_bytes()`, `take_norms()` return and reset."""
+    calls and bytes DDP really sends. `take()` and `take_bytes()` return and reset."""
 
     def __init__(self, ddp_model) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         self.calls = 0
         self.bytes = 0
-        self.noise = "batch_schedule" in BAKED  # read the squared norms for the noise scale (noise.py)
-        self._index = {id(p): i for i, p in enumerate(ddp_model.module.parameters())}
-        self._local: list[tuple[list[int], torch.Tensor]] = []  # (parameter indices, their squared norms)
-        self._reduced: list[tuple[list[int], torch.Tensor]] = []
         self._allreduce = default_hooks.allreduce_hook
+        ddp_model.register_comm_hook(None, self.hook)
 
-        def squared_norms(flat: torch.Tensor, bucket) -> tuple[list[int], torch.Tensor]:
-            """Per parameter: DDP's buckets change after the first step and in a resumed job."""
-            params = bucket.parameters()
-            views = flat.split([p.numel() for p in params])
-            norms = torch._foreach_norm(views, dtype=torch.promote_types(flat.dtype, torch.float32))
-            return [self._index[id(p)] for p in params], torch.stack(norms).double().square()
-
-        def hook(state, bucket):
-            buffer = bucket.buffer()
-            self.calls += 1
-            self.bytes += buffer.numel() * buffer.element_size()
-            if not self.noise:
-                return self._allreduce(state, bucket)
-            self._local.append(squared_norms(buffer, bucket))
-
-            def reduced(future) -> torch.Tensor:
-                averaged = future.value()
-                self._reduced.append(squared_norms(averaged, bucket))
-                return averaged
-
-            return self._allreduce(state, bucket).then(reduced)
-
-        ddp_model.register_comm_hook(None, hook)
+    def hook(self, state, bucket):
+        buffer = bucket.buffer()
+        self.calls += 1
+        self.bytes += buffer.numel() * buffer.element_size()
+        return self._allreduce(state, bucket)
 
     def take(self) -> int:
         calls, self.calls = self.calls, 0
@@ -274,17 +254,3 @@ class GradSyncCounter:
     def take_bytes(self) -> int:
         sent, self.bytes = self.bytes, 0
         return sent
-
-    def take_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(this rank's squared gradient norm, the averaged one's) since the last call, summed in the
-        parameters' order; (None, None) without a synchronised step."""
-        taken, self._local, self._reduced = (self._local, self._reduced), [], []
-        if not all(taken):
-            return None, None
-        sums = []
-        for parts in taken:
-            per_param = torch.zeros(len(self._index), dtype=torch.float64, device=parts[0][1].device)
-            for indices, values in parts:
-                per_param[indices] += values
-            sums.append(per_param.sum())
-        return sums[0], sums[1]

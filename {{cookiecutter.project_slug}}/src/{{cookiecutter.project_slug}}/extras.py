@@ -20,6 +20,7 @@ EXTRAS = {
                        {"global_batch_size_schedule": "", "lr_batch_scaling": "none"}),
     "doctor": ("the doctor (python -m {{ cookiecutter.project_slug }}.doctor) and the record of a hung collective",
                "hangs", {"debug_distributed": False}),
+    "safe_checkpoints": ("a resume reads checkpoint pickles and headers first: none may run code", None, {}),
     "benchmarks": ("benchmarks/ beyond gpu_check: memory, communication, overhead, start-up", None, {}),
 }
 RESUME = ("match", "free", "length")  # must a resume have the checkpoint's value? (checkpoint.check_same_training)

@@ -83,6 +83,6 @@ def dcp_index_problem(data: bytes) -> str:
         return "is not the index of a sharded checkpoint"
 
 
-# The pickles of its checkpoints that are no torch files (checkpoint.check_file): name -> what they
+# The pickles of its checkpoints that are no torch files (checkpoint_checks.check_file): name -> what they
 # may name, and what else is wrong with them
 PICKLED_INDEXES = {".metadata": (DCP_GLOBALS, dcp_index_problem)}

@@ -1,12 +1,13 @@
 """The gradient noise scale B_simple = tr(Σ) / |G|² (McCandlish et al. 2018, appendix A.1), from the
 squared gradient norms DDP's communication hook reads before and after its all-reduce: no extra
 backward pass. Smoothed by exponential moving averages; in examples. The batch_schedule extra's:
-a Session records it through SessionNoise. docs/batch.md derives the estimator and says how to read it.
+DDP's hook reads the norms (NoisyGradSyncCounter), a Session records the estimate (SessionNoise).
+docs/batch.md derives the estimator and says how to read it.
 """
 
 import torch
 
-from .distributed import sum_and_read
+from .distributed import GradSyncCounter, sum_and_read
 
 
 class NoiseScale:
@@ -42,10 +43,55 @@ class NoiseScale:
         return values
 
 
+class NoisyGradSyncCounter(GradSyncCounter):
+    """distributed.GradSyncCounter that also reads each bucket's squared norms, per parameter, before
+    and after its all-reduce (`noise` False: it only counts). `take_norms()` returns and resets."""
+
+    def __init__(self, ddp_model) -> None:
+        self.noise = True
+        self._index = {id(p): i for i, p in enumerate(ddp_model.module.parameters())}
+        self._local: list[tuple[list[int], torch.Tensor]] = []  # (parameter indices, their squared norms)
+        self._reduced: list[tuple[list[int], torch.Tensor]] = []
+        super().__init__(ddp_model)
+
+    def squared_norms(self, flat: torch.Tensor, bucket) -> tuple[list[int], torch.Tensor]:
+        """Per parameter: DDP's buckets change after the first step and in a resumed job."""
+        params = bucket.parameters()
+        views = flat.split([p.numel() for p in params])
+        norms = torch._foreach_norm(views, dtype=torch.promote_types(flat.dtype, torch.float32))
+        return [self._index[id(p)] for p in params], torch.stack(norms).double().square()
+
+    def hook(self, state, bucket):
+        if not self.noise:
+            return super().hook(state, bucket)
+        self._local.append(self.squared_norms(bucket.buffer(), bucket))  # before the all-reduce averages it
+
+        def reduced(future) -> torch.Tensor:
+            averaged = future.value()
+            self._reduced.append(self.squared_norms(averaged, bucket))
+            return averaged
+
+        return super().hook(state, bucket).then(reduced)
+
+    def take_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(this rank's squared gradient norm, the averaged one's) since the last call, summed in the
+        parameters' order; (None, None) without a synchronised step."""
+        taken, self._local, self._reduced = (self._local, self._reduced), [], []
+        if not all(taken):
+            return None, None
+        sums = []
+        for parts in taken:
+            per_param = torch.zeros(len(self._index), dtype=torch.float64, device=parts[0][1].device)
+            for indices, values in parts:
+                per_param[indices] += values
+            sums.append(per_param.sum())
+        return sums[0], sums[1]
+
+
 def read_norms(local_sq: torch.Tensor | None, reduced_sq: torch.Tensor | None,
                world_size: int) -> tuple[float | None, float | None]:
-    """GradSyncCounter.take_norms' pair as NoiseScale.update takes it, with an all-reduce and a read
-    of their own (the training loops fold both into their step's one: Session.read_step)."""
+    """NoisyGradSyncCounter.take_norms' pair as NoiseScale.update takes it, with an all-reduce and a
+    read of their own (the training loops fold both into their step's one: Session.read_step)."""
     if local_sq is None:
         return None, None
     local_sum, reduced = sum_and_read([local_sq], [reduced_sq])

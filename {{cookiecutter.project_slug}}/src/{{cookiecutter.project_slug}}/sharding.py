@@ -107,7 +107,7 @@ class CollectiveCounter:
 
     @staticmethod
     def take_norms() -> tuple[None, None]:
-        return None, None  # the gradient noise scale reads DDP's buckets (distributed.GradSyncCounter)
+        return None, None  # the gradient noise scale reads DDP's buckets (noise.NoisyGradSyncCounter)
 
 
 class Sharded:

@@ -26,7 +26,7 @@ from . import extras
 from .checkpoint import load_rng, save_rng
 from .cli import run_cli
 from .config import TrainConfig
-from .distributed import GradSyncCounter, wrap_ddp
+from .distributed import sync_counter_for, wrap_ddp
 from .evaluation import evaluate
 from .model import autocast_for, build_model, summed_loss
 from .optim import build_optimizer, build_scheduler, clip_gradients
@@ -119,7 +119,7 @@ def train(cfg: TrainConfig) -> None:
     ddp_model, sync_counter = model, sharded.counter if sharded else None
     if env.world_size > 1 and not sharded:
         ddp_model = wrap_ddp(model, env, cfg.ddp_bucket_cap_mb)
-        sync_counter = GradSyncCounter(ddp_model)
+        sync_counter = sync_counter_for(ddp_model)
     # compiled around DDP, so that dynamo splits the graph at DDP's buckets (its DDPOptimizer);
     # a sharded model's layers are compiled on their own
     forward = torch.compile(ddp_model, **COMPILE) if cfg.compile and not sharded else ddp_model
