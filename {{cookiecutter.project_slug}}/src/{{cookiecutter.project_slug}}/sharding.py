@@ -277,6 +277,7 @@ def write_in_background(cfg: TrainConfig, env: DistEnv, final: Path, write: Call
     started = []
 
     def finish(*publishing):  # cfg, env, the written folder, final, state
-        return PendingWrite(*publishing, started[0]) if started[0] else publish(*publishing)
+        # a Future: the files are still being written (Accelerate's save_state returns its folder)
+        return PendingWrite(*publishing, started[0]) if isinstance(started[0], Future) else publish(*publishing)
 
     return write_atomically(cfg, env, final, lambda folder: started.append(write(folder)), state, finish)
