@@ -1,7 +1,6 @@
 """Batch maths, in one place: global_batch_size = micro_batch_size x grad_accum_steps x world_size,
 with grad_accum_steps derived from the real world size at start-up (only the number of micro-steps
-changes between 1 CPU process and 4 nodes). One global batch throughout (the batch_schedule extra's
-ScheduledPlan changes it at given steps).
+changes between 1 CPU process and 4 nodes). One global batch (batch_schedule's ScheduledPlan changes it).
 """
 
 from dataclasses import dataclass

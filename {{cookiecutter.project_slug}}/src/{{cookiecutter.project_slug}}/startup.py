@@ -34,12 +34,11 @@ from .speed import matmul_precision, numel, peak_flops, set_tf32
 from .tracking import check_wandb
 from .windows import WindowSampler
 
-# global_batch_size_schedule (batch_schedule): a plan and sampler that follow it, else one global batch
+# global_batch_size_schedule (batch_schedule): a plan and sampler that follow it; micro_batch_size auto (auto_batch)
 schedule_of = plug("batch_schedule", "batch_schedule:schedule_of",
                    default=lambda cfg, launch: ((0, cfg.global_batch_size),))
 scheduled = plug("batch_schedule", "batch_schedule:scheduled", default=lambda plan, schedule: plan)
 Sampler = plug("batch_schedule", "batch_schedule:ScheduledSampler", default=WindowSampler)
-# micro_batch_size auto (auto_batch)
 check_auto_micro_batch = plug("auto_batch", "memory:check_auto_micro_batch")
 auto_plan = plug("auto_batch", "memory:auto_plan")
 
