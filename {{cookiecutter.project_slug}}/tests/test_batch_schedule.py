@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from {{ cookiecutter.project_slug }}.batch import plan_batches
-from {{ cookiecutter.project_slug }}.batch_schedule import parse_schedule, schedule_of
+from {{ cookiecutter.project_slug }}.batch_schedule import ScheduledSampler, parse_schedule, schedule_of, scheduled
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.launch import launch_of
-from {{ cookiecutter.project_slug }}.optim import build_scheduler
+from {{ cookiecutter.project_slug }}.optim import build_scheduler, total_steps
 from {{ cookiecutter.project_slug }}.tracking import Progress
+from {{ cookiecutter.project_slug }}.windows import WindowSampler
 
 from conftest import (
     ENTRIES,
@@ -45,6 +46,64 @@ def test_a_bad_schedule_is_one_line(text, message):
 
 
 
+def scheduled_plan(global_batch, micro, world, schedule=()):
+    return scheduled(plan_batches(global_batch, micro, world), schedule or ((0, global_batch),))
+
+
+def test_the_schedule_gives_each_step_its_batch_and_accumulation():
+    plan = scheduled_plan(16, 2, 2, schedule=((0, 16), (3, 32), (7, 128)))
+    assert plan.schedule == ((0, 16), (3, 32), (7, 128))
+    assert scheduled_plan(16, 2, 2).schedule == ((0, 16),)
+    assert [plan.global_batch_at(s) for s in range(9)] == [16] * 3 + [32] * 4 + [128] * 2
+    assert [plan.accum_at(s) for s in (0, 3, 7)] == [4, 8, 32]
+    assert "from step 3" in plan.table(48) and "(grad_accum_steps 32)" in plan.table(48)
+    assert scheduled_plan(16, 2, 2).table(48) == plan_batches(16, 2, 2).table(48)
+
+
+@pytest.mark.parametrize("n,schedule,micro,world", [
+    (100, ((0, 8), (3, 16), (5, 64)), 2, 2), (37, ((0, 6), (1, 12), (2, 24)), 1, 3),
+    (50, ((0, 4), (20, 8)), 4, 1), (300, ((0, 16), (2, 32)), 2, 4)])
+def test_a_scheduled_epoch_is_one_stream_of_the_permutation(n, schedule, micro, world):
+    """Each step takes the next global batch of the epoch's permutation, whatever the world size;
+    every example once per epoch; epochs keep counting the run's steps for the schedule."""
+    plan = scheduled_plan(schedule[0][1], micro, world, schedule=schedule)
+    ranks = [ScheduledSampler(n, plan, rank, seed=3) for rank in range(world)]
+    step = 0
+    for epoch in range(3):
+        sampler = ranks[0]
+        assert sampler.epoch_of(step) == (epoch, 0) and sampler.first_step(epoch) == step
+        order, offset = sampler.permutation(epoch).tolist(), 0
+        for s, size in enumerate(sampler.epoch_sizes(epoch)):
+            assert size == min(plan.global_batch_at(step), n - offset)
+            assert len(sampler.window_at(step).examples) == size and sampler.epoch_of(step) == (epoch, s)
+            windows = [r.window(epoch, s) for r in ranks]
+            assert len({len(w) for w in windows}) == 1
+            if size == plan.global_batch_at(step):
+                assert len(windows[0]) == plan.accum_at(step)
+            real = sorted(i for w in windows for mb in w for i, keep in mb if keep)
+            assert real == sorted(order[offset:offset + size])
+            offset, step = offset + size, step + 1
+        assert offset == n
+    cfg = load_config(["--config", CONFIG, "--max_steps", "-1", "--num_epochs", "3"])
+    assert total_steps(cfg, ScheduledSampler(n, plan, 0, seed=3)) == step
+
+
+@pytest.mark.parametrize("n,global_batch,micro,world", [(100, 8, 2, 2), (37, 6, 1, 3), (5, 8, 1, 4)])
+def test_a_schedule_of_one_size_gives_the_windows_of_one_global_batch(n, global_batch, micro, world):
+    plain = WindowSampler(n, plan_batches(global_batch, micro, world), world - 1, seed=3)
+    sampler = ScheduledSampler(n, scheduled_plan(global_batch, micro, world), world - 1, seed=3)
+    assert [sampler.first_step(e) for e in range(4)] == [plain.first_step(e) for e in range(4)]
+    for done in range(3 * plain.steps_per_epoch + 1):
+        assert sampler.epoch_of(done) == plain.epoch_of(done)
+        assert sampler.window_at(done).examples.tolist() == plain.window_at(done).examples.tolist()
+        assert sampler.window_at(done).ends_epoch == plain.window_at(done).ends_epoch
+        epoch, step = plain.epoch_of(done)
+        assert sampler.window(epoch, step) == plain.window(epoch, step)
+    sampler.set_epoch(2, start_step=1)
+    plain.set_epoch(2, start_step=1)
+    assert list(sampler) == list(plain) and len(sampler) == len(plain)
+
+
 def test_a_schedule_is_read_with_spaces():
     assert parse_schedule(" 0:16, 3:32 ,7:128", 16) == ((0, 16), (3, 32), (7, 128))
 
@@ -55,7 +114,7 @@ def test_lr_batch_scaling(scaling, power):
                        "--lr_scheduler_type", "constant", "--global_batch_size_schedule", "0:16,3:32,5:128",
                        "--lr_batch_scaling", scaling])
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.learning_rate)
-    plan = plan_batches(16, 2, 1, schedule=parse_schedule(cfg.global_batch_size_schedule, 16))
+    plan = scheduled(plan_batches(16, 2, 1), parse_schedule(cfg.global_batch_size_schedule, 16))
     scheduler = build_scheduler(optimizer, cfg, 8, plan)
     lrs = []
     for _ in range(7):

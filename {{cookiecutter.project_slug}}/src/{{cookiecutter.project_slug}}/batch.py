@@ -1,7 +1,6 @@
 """Batch maths, in one place: global_batch_size = micro_batch_size x grad_accum_steps x world_size,
 with grad_accum_steps derived from the real world size at start-up (only the number of micro-steps
-changes between 1 CPU process and 4 nodes). A plan's global batch may change at given steps (the
-batch_schedule extra's global_batch_size_schedule); without it, one global batch throughout.
+changes between 1 CPU process and 4 nodes). One global batch (batch_schedule's ScheduledPlan changes it).
 """
 
 from dataclasses import dataclass
@@ -13,25 +12,12 @@ from .errors import ConfigError
 class BatchPlan:
     micro_batch_size: int
     world_size: int
-    schedule: tuple[tuple[int, int], ...]  # (from optimizer step, global batch size); the first from 0
+    global_batch_size: int
     chosen_by: str = ""  # how micro_batch_size auto found micro_batch_size; empty when given
 
     @property
-    def global_batch_size(self) -> int:
-        """The first global batch (all of them without a schedule)."""
-        return self.schedule[0][1]
-
-    @property
     def grad_accum_steps(self) -> int:
-        return self.accum_at(0)
-
-    def global_batch_at(self, step: int) -> int:
-        """The global batch of the optimizer step after `step` steps done."""
-        return next(size for start, size in reversed(self.schedule) if start <= step)
-
-    def accum_at(self, step: int) -> int:
-        """Micro-batches per rank in a full window of the optimizer step after `step` steps done."""
-        return self.global_batch_at(step) // (self.micro_batch_size * self.world_size)
+        return self.global_batch_size // (self.micro_batch_size * self.world_size)
 
     def table(self, max_seq_len: int) -> str:
         """The start-up table: micro x accum x world = global, and tokens per optimizer step."""
@@ -41,18 +27,14 @@ class BatchPlan:
         lines = [f"  {name:<22}{value:>10}" for name, value in rows]
         if self.chosen_by:
             lines[0] += f"   (auto: {self.chosen_by})"
-        lines += [f"  from step {start:<12}{size:>10}   (grad_accum_steps {self.accum_at(start)})"
-                  for start, size in self.schedule[1:]]
         return "\n".join(lines)
 
 
-def plan_batches(global_batch_size: int, micro_batch_size: int, world_size: int, chosen_by: str = "",
-                 schedule: tuple = ()) -> BatchPlan:
-    """Derive grad_accum_steps; a global batch that does not divide is a ConfigError. `schedule`:
-    ((from_step, global batch), ...) from step 0; empty: global_batch_size throughout."""
+def plan_batches(global_batch_size: int, micro_batch_size: int, world_size: int, chosen_by: str = "") -> BatchPlan:
+    """Derive grad_accum_steps; a global batch that does not divide is a ConfigError."""
     per_micro_step = micro_batch_size * world_size
     if global_batch_size % per_micro_step:
         raise ConfigError(f"global_batch_size {global_batch_size} is not divisible by micro_batch_size "
                           f"{micro_batch_size} x world_size {world_size} = {per_micro_step}; use a multiple of "
                           f"{per_micro_step} or another micro_batch_size")
-    return BatchPlan(micro_batch_size, world_size, schedule or ((0, global_batch_size),), chosen_by)
+    return BatchPlan(micro_batch_size, world_size, global_batch_size, chosen_by)

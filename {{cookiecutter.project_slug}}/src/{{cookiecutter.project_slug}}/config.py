@@ -1,8 +1,6 @@
 """The one training config, read by all three entry points.
-
-`configs/train.yaml` fills a `TrainConfig`; every field is also a flag of the same name that overrides
-it (`--learning_rate 3e-4`). Unknown keys and flags, wrong types and out-of-range values raise
-`ConfigError` (exit code 2, one line).
+`configs/train.yaml` fills a `TrainConfig`; every field is also a flag that overrides it. Unknown keys
+and flags, wrong types and out-of-range values raise `ConfigError` (exit code 2, one line).
 """
 
 import argparse

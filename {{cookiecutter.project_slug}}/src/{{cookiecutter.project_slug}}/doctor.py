@@ -171,8 +171,8 @@ def check_world_size(cfg: TrainConfig, env: DistEnv) -> None:
     batch the processes cannot share; an automatic micro batch is measured by training) and FSDP's
     mesh. The doctor cannot tell the entry point: train_pytorch's, the one with FSDP."""
     if cfg.micro_batch_size != "auto":
-        plan_batches(cfg.global_batch_size, cfg.micro_batch_size, env.world_size,
-                     schedule=schedule_of(cfg, launch_of(cfg, "pytorch")))
+        schedule_of(cfg, launch_of(cfg, "pytorch"))
+        plan_batches(cfg.global_batch_size, cfg.micro_batch_size, env.world_size)
     check_sharding(cfg, env, "pytorch")
 
 

@@ -1,7 +1,5 @@
-"""Evaluation metrics, computed the same way by every entry point.
-
-Each rank evaluates its own strided shard of the validation set (every example exactly once
-overall), and the sums are added across ranks, so the metrics do not depend on the world size.
+"""Evaluation metrics, computed the same way by every entry point: each rank evaluates its strided
+shard of the validation set and the sums are added across ranks (independent of the world size).
 """
 
 import math

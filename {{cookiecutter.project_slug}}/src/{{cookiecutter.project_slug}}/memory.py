@@ -182,12 +182,12 @@ def auto_micro_batch_size(cfg: TrainConfig, model_config, env: DistEnv, at_most:
     return size, f"largest within the {limit}{capped}; peak per step {tried}"
 
 
-def auto_plan(cfg: TrainConfig, model_config, env: DistEnv, state: dict | None, schedule: tuple) -> BatchPlan:
+def auto_plan(cfg: TrainConfig, model_config, env: DistEnv, state: dict | None) -> BatchPlan:
     """startup's batch plan under --micro_batch_size auto: the search, below the ceiling an
     out-of-memory error left. It needs the process group: every rank must agree on the result."""
     init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s)
     micro_batch_size, chosen_by = auto_micro_batch_size(cfg, model_config, env, auto_ceiling(cfg, state))
-    return plan_batches(cfg.global_batch_size, micro_batch_size, env.world_size, chosen_by, schedule)
+    return plan_batches(cfg.global_batch_size, micro_batch_size, env.world_size, chosen_by)
 
 
 def auto_ceiling(cfg: TrainConfig, state: dict | None) -> int:

@@ -1,7 +1,5 @@
-"""Optimizer and learning-rate schedule, identical for the three entry points.
-
-Weight decay applies to matrices (embeddings, linear weights) and not to biases or norm gains,
-for every optimizer. The schedule is stepped once per optimizer step, never per micro-step.
+"""Optimizer and learning-rate schedule, identical for the three entry points: weight decay on
+matrices only (not biases or norm gains); the schedule steps once per optimizer step.
 """
 
 import math

@@ -34,9 +34,11 @@ from .speed import matmul_precision, numel, peak_flops, set_tf32
 from .tracking import check_wandb
 from .windows import WindowSampler
 
-# global_batch_size_schedule (batch_schedule), else one global batch; micro_batch_size auto (auto_batch)
+# global_batch_size_schedule (batch_schedule): a plan and sampler that follow it; micro_batch_size auto (auto_batch)
 schedule_of = plug("batch_schedule", "batch_schedule:schedule_of",
                    default=lambda cfg, launch: ((0, cfg.global_batch_size),))
+scheduled = plug("batch_schedule", "batch_schedule:scheduled", default=lambda plan, schedule: plan)
+Sampler = plug("batch_schedule", "batch_schedule:ScheduledSampler", default=WindowSampler)
 check_auto_micro_batch = plug("auto_batch", "memory:check_auto_micro_batch")
 auto_plan = plug("auto_batch", "memory:auto_plan")
 
@@ -65,8 +67,8 @@ class Run:
 
     def sampler(self) -> WindowSampler:
         """A sampler of this run's windows on this rank, under the starting plan."""
-        return WindowSampler(len(self.data["train"]), self.plan, self.env.rank, self.cfg.seed,
-                             min_rows=2 if self.cfg.compile else 1)
+        return Sampler(len(self.data["train"]), self.plan, self.env.rank, self.cfg.seed,
+                       min_rows=2 if self.cfg.compile else 1)
 
     def announce(self, model, sampler: WindowSampler) -> None:
         """The run's banner (rank 0): what trains on what data, the speed levers, the batch plan."""
@@ -78,8 +80,7 @@ class Run:
                   *(["fused AdamW"] if cuda and cfg.fused_adamw and cfg.optimizer == "adamw" else []),
                   f"peak {self.peak_flops / 1e12:g} TFLOP/s per device" if self.peak_flops else "no known peak: no mfu"]
         print0(f"train_{self.launch.entry}: {cfg.task}, {sum(map(numel, model.parameters())):,} parameters, "
-               f"{self.total_steps} optimizer steps ({sampler.steps_per_epoch} "
-               + ("in the first epoch)" if len(sampler.plan.schedule) > 1 else "per epoch)")
+               f"{self.total_steps} optimizer steps ({sampler.steps_per_epoch} {sampler.per_epoch})"
                + (f", resuming after step {self.start_step} from {self.resume}" if self.resume else "")
                + f"\ndata: {len(self.data['train']):,} training {examples} from {self.data_folder}"
                + f"\nspeed: {', '.join(levers)}" + "\n" + sampler.plan.table(cfg.max_seq_len))
@@ -164,7 +165,7 @@ def _start(cfg: TrainConfig, env: DistEnv, launch: Launch, schedule: tuple, resu
     if auto:
         check_auto_micro_batch(cfg, env)
     else:
-        plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, env.world_size, schedule=schedule)
+        plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, env.world_size)
     tokenizer = load_tokenizer(cfg)
     prepared = prepare(cfg, tokenizer)
     config = model_config(cfg, tokenizer, prepared.num_labels or 2)
@@ -176,11 +177,11 @@ def _start(cfg: TrainConfig, env: DistEnv, launch: Launch, schedule: tuple, resu
             raise RunFinished(f"already done at step {state['step']}: {resume} (nothing changed)")
         note_versions(state, resume)
     if auto:  # the ranks meet once, to agree on the micro batch
-        plan = auto_plan(cfg, config, env, state, schedule)
+        plan = auto_plan(cfg, config, env, state)
     check_launcher_env(plan)
     ds_config = deepspeed_config(cfg, plan, launch.deepspeed_path) if launch.on_accelerate else None
     set_tf32(cfg, env.device)
-    run = Run(cfg, env, launch, plan, resume, int(state["step"]) if state else 0, 0, tokenizer, config, data,
-              prepared.folder, prepared.fingerprint, ds_config, peak_flops(cfg, env.device),
+    run = Run(cfg, env, launch, scheduled(plan, schedule), resume, int(state["step"]) if state else 0, 0, tokenizer,
+              config, data, prepared.folder, prepared.fingerprint, ds_config, peak_flops(cfg, env.device),
               state or {}, preemption)
     return replace(run, total_steps=total_steps(cfg, run.sampler()))

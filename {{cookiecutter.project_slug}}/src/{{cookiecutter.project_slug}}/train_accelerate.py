@@ -1,27 +1,14 @@
 """Loop 2: HF Accelerate, `with accelerator.accumulate(model):`.
 
-Launch (from the project root):
-    python -m {{ cookiecutter.project_slug }}.train_accelerate --max_steps 20                      # one process
-    torchrun --nproc_per_node 2 -m {{ cookiecutter.project_slug }}.train_accelerate                # DDP
-    accelerate launch --config_file configs/accelerate/multi_gpu.yaml -m {{ cookiecutter.project_slug }}.train_accelerate
-    ENTRY=accelerate scripts/train_local.sh
+Launch: `python -m {{ cookiecutter.project_slug }}.train_accelerate` (one process), under `torchrun` or
+`accelerate launch --config_file configs/accelerate/multi_gpu.yaml -m ...`, or `ENTRY=accelerate
+scripts/train_local.sh`; every flag overrides its key in configs/train.yaml (`--help`).
 
-Every flag overrides the key of the same name in configs/train.yaml (`--help` lists them).
-
-Accelerate does the accumulation bookkeeping: inside `accumulate()` it skips DDP's all-reduce
-(no_sync) until the window's last micro-step, and the prepared optimizer only steps (and zeroes)
-when `accelerator.sync_gradients` is True. Four library behaviours are corrected on top:
-- the window's length: our windows follow the data (the last one of an epoch may be short, the
-  global_batch_size_schedule may lengthen them), so `gradient_accumulation_steps` and
-  `accelerator.step` are set at each window's start and its last micro-step always syncs;
-- the loss: `accelerator.backward` divides by `gradient_accumulation_steps`; we divide by the real
-  targets of the whole global batch instead, so that factor is multiplied back in;
-- the schedule: a prepared scheduler would step once per process per optimizer step; with
-  `step_scheduler_with_optimizer=False` it steps when we say, once per optimizer step;
-- the world: with DeepSpeed on CPU, Accelerate reports one process on every rank, so the world
-  size and the main process come from the launcher's environment (DistEnv) instead, and its
-  process index is set to the rank (else every rank writes the same files of a checkpoint at once,
-  and the file comes out damaged).
+Inside `accumulate()` Accelerate skips DDP's all-reduce until a window's last micro-step and the
+prepared optimizer steps only when `sync_gradients`. Corrected on top: a window's length follows the
+data (set at its start; its last micro-step syncs); `accelerator.backward`'s division by
+gradient_accumulation_steps is multiplied back (we divide by the global batch's targets); the
+scheduler steps once per optimizer step; with DeepSpeed on CPU, the world comes from DistEnv.
 """
 
 import math

@@ -1,16 +1,10 @@
 """Loop 1: plain PyTorch, DistributedDataParallel, gradient accumulation done by hand.
 
-Launch (from the project root):
-    python -m {{ cookiecutter.project_slug }}.train_pytorch --max_steps 20          # one process
-    torchrun --nproc_per_node 2 -m {{ cookiecutter.project_slug }}.train_pytorch    # DDP, one node
-    scripts/train_local.sh                                # torchrun on every GPU here (2 CPU procs)
-
-Every flag overrides the key of the same name in configs/train.yaml (`--help` lists them).
-
-Each optimizer step consumes one window of `grad_accum_steps` micro-batches per rank; every
-micro-step but the last runs under `no_sync()`, so DDP all-reduces once per optimizer step. Each
-micro-batch's summed loss is divided by the real targets of the whole window on all ranks, so the
-accumulated gradient is exactly the global batch's mean loss gradient (docs/guarantees.md).
+Launch: `python -m {{ cookiecutter.project_slug }}.train_pytorch` (one process), `torchrun
+--nproc_per_node 2 -m ...` or `scripts/train_local.sh`; every flag overrides its key in
+configs/train.yaml (`--help`). Every micro-step of a window but the last runs under `no_sync()`
+(one all-reduce per optimizer step); each micro-batch's summed loss is divided by the whole window's
+targets on all ranks: exactly the global batch's mean loss gradient (docs/guarantees.md).
 """
 
 import math

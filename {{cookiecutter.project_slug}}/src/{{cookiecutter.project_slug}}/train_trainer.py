@@ -1,19 +1,11 @@
 """Loop 3: the HF Transformers `Trainer`, in its textbook form: `TrainingArguments(...)`,
 `Trainer(...)`, `trainer.train()`.
 
-Launch (from the project root):
-    python -m {{ cookiecutter.project_slug }}.train_trainer --max_steps 20                # one process
-    torchrun --nproc_per_node 2 -m {{ cookiecutter.project_slug }}.train_trainer          # DDP
-    accelerate launch -m {{ cookiecutter.project_slug }}.train_trainer
-    ENTRY=trainer scripts/train_local.sh
-
-Every flag overrides the key of the same name in configs/train.yaml (`--help` lists them).
-
-The Trainer runs the accumulation itself: no_sync on all but the last micro-batch of a window, a
-shorter last window at an epoch's end, the optimizer and schedule stepped once per window.
-`training_arguments()` is the one place our config becomes TrainingArguments; the few library
-defaults that would make this loop train differently from the other two are replaced in
-trainer_adapters.py, each said there.
+Launch: `python -m {{ cookiecutter.project_slug }}.train_trainer` (one process), under `torchrun` or
+`accelerate launch`, or `ENTRY=trainer scripts/train_local.sh`; every flag overrides its key in
+configs/train.yaml (`--help`). The Trainer runs the accumulation itself; `training_arguments()` is
+where our config becomes TrainingArguments, and trainer_adapters.py replaces the defaults that
+would make this loop train differently from the other two.
 """
 
 import os

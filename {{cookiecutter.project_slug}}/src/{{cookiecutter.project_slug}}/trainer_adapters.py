@@ -21,17 +21,10 @@ from .windows import finite
 
 
 class WindowTrainer(Trainer):
-    """The Trainer with six of its defaults replaced:
-
-    - `get_train_dataloader`: the project's window loader, not a sampler whose order depends on the
-      world size, so every entry point sees the same micro-batches in the same windows;
-    - `create_optimizer` / `create_scheduler`: the project's (optim.py), which DeepSpeed would ignore if passed in;
-    - the fp16 loss scaler starts at `fp16_init_scale` (through its own state, which a resume overwrites);
-    - the project's progress line instead of the Trainer's per-step dict on the console;
-    - `floating_point_ops` returns 0: the Trainer's FLOP count walks the parameters every micro-step;
-    - a model_factory model is saved and loaded as the other entry points do it (model.save_weights,
-      safetensors' load_model), not as a bare state dict, which safetensors refuses for tied weights.
-    """
+    """The Trainer with the project's window loader (the same micro-batches in the same windows as the
+    other loops), optimizer and scheduler (which DeepSpeed would ignore if passed in), fp16 scale
+    (fp16_init_scale) and progress line; no FLOP count (it walks the parameters every micro-step); a
+    model_factory model saved and loaded as the other loops do (safetensors refuses tied weights' state dict)."""
 
     def __init__(self, *args, session, train_loader, **kwargs):
         self.session, self.train_loader = session, train_loader
@@ -76,10 +69,8 @@ class WindowTrainer(Trainer):
 
 
 class WindowLoss:
-    """`compute_loss_func`: the summed loss over the real targets of the whole global batch, which
-    the Trainer counts across micro-batches and (average_tokens_across_devices) ranks as
-    `num_items_in_batch`. Replaces the model's own per-micro-batch mean, which weighs a micro-batch
-    with few real targets as much as a full one. Keeps the window's loss sum for RunRecorder."""
+    """`compute_loss_func`: the summed loss over the global batch's real targets (the Trainer's
+    `num_items_in_batch`), not the model's per-micro-batch mean; keeps the window's sum for RunRecorder."""
 
     def __init__(self, task: str):
         self.task = task
@@ -103,15 +94,9 @@ class WindowLoss:
 
 
 class RunRecorder(TrainerCallback):
-    """Replaces the Trainer's logging and adds what it lacks, as the other entry points do it:
-
-    - each optimizer step's record with their keys (the lr read before the scheduler moves it);
-    - a step whose loss or gradients are not finite is skipped on every rank: its gradients dropped,
-      the schedule the Trainer moved put back (DeepSpeed skips such a step itself);
-    - each checkpoint-<N> the Trainer wrote is published atomically as step_<N>;
-    - --stop_after_steps and the preemption signal end the job with a checkpoint (a job stopped
-      mid-epoch leaves that epoch's evaluation to the resumed job).
-    """
+    """As the other loops: each step's record (lr read before the scheduler moves it); a non-finite
+    step skipped on every rank (gradients dropped, schedule put back); checkpoint-<N> published as
+    step_<N>; --stop_after_steps and preemption end the job with a checkpoint."""
 
     def __init__(self, session, trainer, loss: WindowLoss):
         self.session, self.trainer, self.loss = session, trainer, loss

@@ -3,8 +3,6 @@ step's facts carried as one value (Window) and the arithmetic the hand-written l
 docs/data.md gives the data order.
 """
 
-import bisect
-import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +21,7 @@ class Window:
     step: int  # the optimizer step this window completes (1-based)
     micro_batches: list[dict]  # this rank's (empty where the Trainer draws them itself)
     examples: np.ndarray  # the step's examples on all ranks (fewer than the global batch at an epoch's end)
-    global_batch_size: int  # the schedule's global batch for this step
+    global_batch_size: int  # this step's global batch
     grad_accum_steps: int  # micro-batches per rank in a full window of this step
     micro_batch_size: int
     ends_epoch: bool
@@ -31,60 +29,38 @@ class Window:
 
 class WindowSampler(Sampler):
     """Yields this rank's micro-batches, one accumulation window (optimizer step) after another: lists of
-    `(index, real)` pairs, `real` False only in filler micro-batches (docs/data.md). Steps are counted
-    over the run (the schedule's global batch follows them) and, within an epoch, from its first step."""
+    `(index, real)` pairs, `real` False only in filler micro-batches (docs/data.md). One global batch G
+    throughout: an epoch is num_examples // G full steps, then one of the remainder."""
+
+    per_epoch = "per epoch"  # the banner's words for steps_per_epoch
 
     def __init__(self, num_examples: int, plan: BatchPlan, rank: int, seed: int, min_rows: int = 1):
         self.num_examples, self.plan, self.rank, self.seed = num_examples, plan, rank, seed
         self.min_rows = min_rows  # filler rows make up the difference (at most micro_batch_size)
         self.epoch, self.start_step = 0, 0
         self._drawn: tuple[int, np.ndarray] | None = None  # (epoch, its permutation): drawn once per epoch
-        self._firsts = [0]  # the run's step at which each epoch begins (and the one after the last known)
-        self._sizes: tuple[int, tuple[list[int], list[int]]] | None = None  # (epoch, _epoch(epoch))
 
-    def epoch_sizes(self, epoch: int) -> list[int]:
-        """The global batch of each optimizer step of `epoch`: the schedule's, the last one the remainder."""
-        return self._epoch(epoch)[0]
+    def steps_in(self, epoch: int) -> int:
+        """Optimizer steps of `epoch`."""
+        return -(-self.num_examples // self.plan.global_batch_size)
 
-    def _epoch(self, epoch: int) -> tuple[list[int], list[int]]:
-        """(the global batch of each step of `epoch`, where each begins in its permutation)."""
-        if self._sizes is None or self._sizes[0] != epoch:
-            sizes = [size for size, count in self._runs(self.first_step(epoch)) for _ in range(count)]
-            self._sizes = epoch, (sizes, list(itertools.accumulate(sizes[:-1], initial=0)))
-        return self._sizes[1]
-
-    def _runs(self, first_step: int) -> Iterator[tuple[int, int]]:
-        """The epoch that begins at the run's step `first_step`, as (global batch, steps) runs: the
-        schedule's sizes, then the remainder (one step) when the examples do not divide."""
-        offset, step = 0, first_step
-        while offset < self.num_examples:
-            size = self.plan.global_batch_at(step)
-            full = (self.num_examples - offset) // size
-            if not full:
-                yield self.num_examples - offset, 1
-                return
-            later = [start - step for start, _ in self.plan.schedule if start > step]
-            count = min([full, *later[:1]])
-            yield size, count
-            offset, step = offset + size * count, step + count
+    def span(self, epoch: int, step: int) -> tuple[int, int]:
+        """(where step `step` of `epoch` begins in the epoch's permutation, its examples)."""
+        offset = step * self.plan.global_batch_size
+        return offset, min(self.plan.global_batch_size, self.num_examples - offset)
 
     def epoch_of(self, step: int) -> tuple[int, int]:
         """(epoch, its steps done) after `step` optimizer steps of the run."""
-        while self._firsts[-1] <= step:
-            self._firsts.append(self._firsts[-1] + sum(count for _, count in self._runs(self._firsts[-1])))
-        epoch = bisect.bisect_right(self._firsts, step) - 1
-        return epoch, step - self._firsts[epoch]
+        return divmod(step, self.steps_in(0))
 
     def first_step(self, epoch: int) -> int:
         """The run's step at which `epoch` begins (the steps of the epochs before it)."""
-        while len(self._firsts) <= epoch:
-            self.epoch_of(self._firsts[-1])
-        return self._firsts[epoch]
+        return epoch * self.steps_in(0)
 
     @property
     def steps_per_epoch(self) -> int:
-        """Optimizer steps of the current epoch (of every epoch without a schedule)."""
-        return len(self.epoch_sizes(self.epoch))
+        """Optimizer steps of the current epoch."""
+        return self.steps_in(self.epoch)
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         """Choose the epoch's permutation and the optimizer step to start from (for resuming)."""
@@ -101,19 +77,19 @@ class WindowSampler(Sampler):
     def micro_steps(self, step: int, epoch: int | None = None) -> int:
         """Micro-batches in window `step` of `epoch` (the current one when None) on every rank (the
         step's grad_accum_steps, fewer at an epoch's end)."""
-        share = math.ceil(self.epoch_sizes(self.epoch if epoch is None else epoch)[step] / self.plan.world_size)
+        share = math.ceil(self.span(self.epoch if epoch is None else epoch, step)[1] / self.plan.world_size)
         return math.ceil(share / self.plan.micro_batch_size)
 
     def window_at(self, done: int, micro_batches: list[dict] | None = None) -> "Window":
         """The facts of the run's optimizer step after `done` steps, as one value."""
         epoch, step = self.epoch_of(done)
-        return Window(done + 1, micro_batches or [], self._examples(epoch, step), self.plan.global_batch_at(done),
-                      self.plan.accum_at(done), self.plan.micro_batch_size,
-                      ends_epoch=step + 1 == len(self.epoch_sizes(epoch)))
+        plan = self.plan
+        return Window(done + 1, micro_batches or [], self._examples(epoch, step), plan.global_batch_size,
+                      plan.grad_accum_steps, plan.micro_batch_size, ends_epoch=step + 1 == self.steps_in(epoch))
 
     def _examples(self, epoch: int, step: int) -> np.ndarray:
-        sizes, offsets = self._epoch(epoch)
-        return self.permutation(epoch)[offsets[step]:offsets[step] + sizes[step]]
+        offset, size = self.span(epoch, step)
+        return self.permutation(epoch)[offset:offset + size]
 
     def window(self, epoch: int, step: int) -> list[list[tuple[int, bool]]]:
         order = self._examples(epoch, step).tolist()
