@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from {{ cookiecutter.project_slug }}.config import load_config
-from {{ cookiecutter.project_slug }}.distributed import cleanup, init_distributed, sync_counter_for, wrap_ddp
+from {{ cookiecutter.project_slug }}.distributed import cleanup, init_distributed, wrap_ddp
 from {{ cookiecutter.project_slug }}.memory import worst_case_batch
 from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
 from {{ cookiecutter.project_slug }}.noise import NoiseScale, NoisyGradSyncCounter, read_norms
@@ -47,10 +47,26 @@ WARMUP_STEPS, MEASURED_STEPS = 2, 10
 NOISE_PAIRS = 40
 
 
+class ByteCounter(NoisyGradSyncCounter):
+    """The training's counter (distributed.sync_counter_for's) that also counts the bytes DDP sends;
+    `take_bytes()` returns and resets."""
+
+    bytes = 0
+
+    def hook(self, state, bucket):
+        buffer = bucket.buffer()
+        self.bytes += buffer.numel() * buffer.element_size()
+        return super().hook(state, bucket)
+
+    def take_bytes(self) -> int:
+        sent, self.bytes = self.bytes, 0
+        return sent
+
+
 def measure(model, cfg, env, config, grad_accum_steps: int, no_sync: bool, steps: int) -> dict:
     """All-reduce calls, bytes and median seconds per optimizer step of one variant, on this rank."""
     ddp_model = wrap_ddp(model, env, cfg.ddp_bucket_cap_mb)  # as train_pytorch wraps it
-    counter = sync_counter_for(ddp_model)
+    counter = ByteCounter(ddp_model)
     optimizer = build_optimizer(model, cfg, env.device)
     window = [worst_case_batch(cfg, config, cfg.micro_batch_size, env.device)] * grad_accum_steps
     for _ in range(WARMUP_STEPS):

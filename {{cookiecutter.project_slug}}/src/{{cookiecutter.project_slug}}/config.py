@@ -233,12 +233,6 @@ YAML_HEADER = """\
 """
 
 
-def _yaml_value(value) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    return json.dumps(value) if isinstance(value, str) else repr(value)  # a JSON string is a YAML string
-
-
 def render_yaml(cfg: TrainConfig | None = None) -> str:
     """configs/train.yaml as TrainConfig defines it: every key with its default, under its help;
     given `cfg`, with its values instead (the merged config that a run with it records)."""
@@ -251,7 +245,8 @@ def render_yaml(cfg: TrainConfig | None = None) -> str:
             extra = extras.owner(f.name)
             lines += ["", f"# == Extra {extra}: {extras.EXTRAS[extra][0]} =="]
         lines += [f"# {line}" for line in textwrap.wrap(f.metadata["help"], 98)]
-        lines.append(f"{f.name}: {_yaml_value(f.default if cfg is None else getattr(cfg, f.name))}")
+        value = f.default if cfg is None else getattr(cfg, f.name)  # JSON's strings and booleans are YAML's
+        lines.append(f"{f.name}: {json.dumps(value) if isinstance(value, (bool, str)) else repr(value)}")
     return "\n".join(lines).lstrip("\n") + "\n"
 
 

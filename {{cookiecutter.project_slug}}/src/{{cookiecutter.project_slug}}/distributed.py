@@ -228,20 +228,17 @@ def sync_counter_for(model) -> "GradSyncCounter | None":
 
 class GradSyncCounter:
     """A DDP communication hook around the default all-reduce (DDP takes one): counts the all-reduce
-    calls and bytes DDP really sends. `take()` and `take_bytes()` return and reset."""
+    calls DDP really makes. `take()` returns and resets."""
 
     def __init__(self, ddp_model) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         self.calls = 0
-        self.bytes = 0
         self._allreduce = default_hooks.allreduce_hook
         ddp_model.register_comm_hook(None, self.hook)
 
     def hook(self, state, bucket):
-        buffer = bucket.buffer()
         self.calls += 1
-        self.bytes += buffer.numel() * buffer.element_size()
         return self._allreduce(state, bucket)
 
     def take(self) -> int:
@@ -250,7 +247,3 @@ class GradSyncCounter:
 
     def record(self) -> dict:
         return {"grad_sync_calls": self.take()}
-
-    def take_bytes(self) -> int:
-        sent, self.bytes = self.bytes, 0
-        return sent

@@ -38,7 +38,13 @@ class Launch:
 
 
 def launch_of(cfg: TrainConfig, entry: str) -> Launch:
-    return Launch(entry, deepspeed_config_path(cfg), os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true")
+    """The launch; its DeepSpeed JSON is --deepspeed, or the one `accelerate launch` names."""
+    from_launcher = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")
+    if cfg.deepspeed and from_launcher and Path(cfg.deepspeed).resolve() != Path(from_launcher).resolve():
+        raise ConfigError(f"--deepspeed {cfg.deepspeed} and the accelerate config's deepspeed_config_file "
+                          f"{from_launcher} differ; give one of them")
+    return Launch(entry, cfg.deepspeed or from_launcher,
+                  os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true")
 
 
 def check_back_end(cfg: TrainConfig, env: DistEnv, launch: Launch) -> None:
@@ -78,15 +84,6 @@ def check_launcher_env(plan: BatchPlan) -> None:
                           f"{plan.global_batch_size} / (micro_batch_size {plan.micro_batch_size} x world_size "
                           f"{plan.world_size}) gives {plan.grad_accum_steps}; remove it from the YAML "
                           "(train.yaml decides)")
-
-
-def deepspeed_config_path(cfg: TrainConfig) -> str:
-    """The DeepSpeed JSON of this run: --deepspeed, or the one `accelerate launch` names."""
-    from_launcher = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")
-    if cfg.deepspeed and from_launcher and Path(cfg.deepspeed).resolve() != Path(from_launcher).resolve():
-        raise ConfigError(f"--deepspeed {cfg.deepspeed} and the accelerate config's deepspeed_config_file "
-                          f"{from_launcher} differ; give one of them")
-    return cfg.deepspeed or from_launcher
 
 
 def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, path: str) -> dict | None:

@@ -217,12 +217,6 @@ def autocast_for(cfg: TrainConfig, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[cfg.mixed_precision])
 
 
-def _targets(logits: torch.Tensor, labels: torch.Tensor, task: str):
-    if task == "causal_lm":  # position t predicts token t+1
-        return logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
-    return logits, labels
-
-
 def count_targets(labels: torch.Tensor, task: str) -> int:
     """Real targets in a batch: non-padding next tokens (causal_lm) or labelled examples."""
     target = labels[:, 1:] if task == "causal_lm" else labels
@@ -231,5 +225,6 @@ def count_targets(labels: torch.Tensor, task: str) -> int:
 
 def summed_loss(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
     """Cross-entropy summed (not averaged) over the real targets of the batch, in fp32."""
-    flat_logits, flat_labels = _targets(logits, labels, task)
-    return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    if task == "causal_lm":  # position t predicts token t+1
+        logits, labels = logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")

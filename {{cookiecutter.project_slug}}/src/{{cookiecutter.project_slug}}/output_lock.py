@@ -54,12 +54,6 @@ def running_here(holder: dict) -> bool | None:
     return not holder.get("started") or process_started(int(holder["pid"])) in ("", holder["started"])
 
 
-def _alive(holder: dict) -> bool:
-    """Whether the holder of a lock still runs: on this host, by its pid; elsewhere, by its heartbeat."""
-    here = running_here(holder)
-    return here if here is not None else time.time() - float(holder.get("heartbeat", 0)) <= STALE_S
-
-
 def describe(holder: dict) -> str:
     since = datetime.fromtimestamp(float(holder.get("since", 0))).strftime("%Y-%m-%d %H:%M:%S")
     job = f", {holder['job']}" if holder.get("job") else ""
@@ -92,7 +86,8 @@ class OutputLock:
         ours = (holder or {}).get("host") == self.mine["host"] and (holder or {}).get("pid") == self.mine["pid"]
         if holder is None or ours or self.mine["job"] and holder.get("job") == self.mine["job"]:
             return None
-        if _alive(holder):
+        here = running_here(holder)  # still running? On this host its pid says, elsewhere its heartbeat
+        if here or here is None and time.time() - float(holder.get("heartbeat", 0)) <= STALE_S:
             raise ConfigError(f"output_dir {self.path.parent} is in use by another job ({describe(holder)}); wait "
                               "for it to end, or choose another --output_dir")
         return holder

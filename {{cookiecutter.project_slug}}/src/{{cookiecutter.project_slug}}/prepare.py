@@ -31,14 +31,6 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 _PARENT: int | None = None  # the preparing process, while it prepares (children_end_with_this_process)
 
 
-def check_max_seq_len(cfg: TrainConfig, tokenizer) -> None:
-    """Truncation must leave room for text beside the tokenizer's own special tokens."""
-    special = tokenizer.num_special_tokens_to_add()
-    if cfg.max_seq_len <= special:
-        raise ConfigError(f"max_seq_len {cfg.max_seq_len} leaves no room for text: the tokenizer adds {special} "
-                          f"special token(s) to each example; use max_seq_len >= {special + 1}")
-
-
 def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig, work: Path) -> DatasetDict:
     """input_ids per example, plus `label` for classification: truncated to max_seq_len, or whole
     documents when they are to be packed. Written under `work`, `num_proc` processes at a time."""
@@ -112,27 +104,9 @@ def pack(documents, eos_id: int, block: int, path: Path):
     return Dataset.from_file(str(path))
 
 
-def with_targets(train: Dataset, task: str) -> Dataset:
-    """The training examples with each one's targets (TARGETS): its labels (labels_for)
-    counted as the loss counts a batch's, once here, so each step's divisor is read, not computed."""
-    counts = [count_targets(labels_for(example, task)[None], task) for example in train]
-    return train.add_column(TARGETS, np.asarray(counts, dtype=np.int64))
-
-
 def work_folder(folder: Path, preparer: dict) -> Path:
     """Where `preparer` (host, pid) writes `folder` before renaming it."""
     return folder.with_name(f".tmp-{folder.name}-{preparer.get('host')}-{preparer.get('pid')}")
-
-
-def take_over(lock: PreparationLock, folder: Path, holder: dict) -> None:
-    """The lock of a preparer that died: removed, with what it left half written, in one line."""
-    work = work_folder(folder, holder)
-    size = sum(p.stat().st_size for p in work.rglob("*") if p.is_file()) if work.is_dir() else 0
-    shutil.rmtree(work, ignore_errors=True)
-    lock.path.unlink(missing_ok=True)
-    left = f", removing the {size / 2**20:.1f} MB it left in {work}" if size else ""
-    print(f"data: the process that was preparing {folder} is gone (host {holder.get('host', '?')}, pid "
-          f"{holder.get('pid', '?')}){left}; taking over", flush=True)
 
 
 def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> None:
@@ -151,7 +125,9 @@ def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> 
         if cfg.packing:
             data = DatasetDict({split: pack(ds, tokenizer.eos_token_id, cfg.max_seq_len, work / f"{split}_packed.arrow")
                                 for split, ds in data.items()})
-        data["train"] = with_targets(data["train"], cfg.task)
+        # each training example's targets (TARGETS), counted once here: a step's divisor is read, not computed
+        targets = [count_targets(labels_for(example, cfg.task)[None], cfg.task) for example in data["train"]]
+        data["train"] = data["train"].add_column(TARGETS, np.asarray(targets, dtype=np.int64))
         with quiet_datasets():
             data.save_to_disk(str(work / "prepared"))
         meta = {"num_labels": num_labels, "examples": {split: len(ds) for split, ds in data.items()},
@@ -220,8 +196,14 @@ def prepared_folder(cfg: TrainConfig, source: Source, tokenizer) -> Path:
                     raise
                 finally:
                     lock.release()
-            elif (holder := lock.gone()) is not None:
-                take_over(lock, folder, holder)  # the next look takes the lock
+            elif (holder := lock.gone()) is not None:  # its lock removed, with what it left half written
+                work = work_folder(folder, holder)
+                size = sum(p.stat().st_size for p in work.rglob("*") if p.is_file()) if work.is_dir() else 0
+                shutil.rmtree(work, ignore_errors=True)
+                lock.path.unlink(missing_ok=True)  # the next look takes the lock
+                left = f", removing the {size / 2**20:.1f} MB it left in {work}" if size else ""
+                print(f"data: the process that was preparing {folder} is gone (host {holder.get('host', '?')}, pid "
+                      f"{holder.get('pid', '?')}){left}; taking over", flush=True)
             else:
                 if not said and os.environ.get("RANK", "0") in ("0", ""):
                     who = lock.holder()
@@ -243,7 +225,9 @@ class Prepared:
 def prepare(cfg: TrainConfig, tokenizer) -> Prepared:
     """The tokenised (or packed) train and validation splits, every input check done: the cheap
     ones here, the full-pass ones inside the one preparation."""
-    check_max_seq_len(cfg, tokenizer)
+    if cfg.max_seq_len <= (special := tokenizer.num_special_tokens_to_add()):  # no room for text beside them
+        raise ConfigError(f"max_seq_len {cfg.max_seq_len} leaves no room for text: the tokenizer adds {special} "
+                          f"special token(s) to each example; use max_seq_len >= {special + 1}")
     folder = prepared_folder(cfg, find_source(cfg), tokenizer)
     meta = json.loads((folder / META_FILE).read_text())
     with quiet_datasets():

@@ -115,8 +115,14 @@ def check_source(source: Source, task: str) -> None:
     """The cheap checks, run by every process before any waits for the preparation: each file's
     first record (or header, or schema) has the task's columns. A warm start skips them: its data
     was checked whole when it was prepared."""
-    if source.saved is not None:
-        _check_saved_columns(source, task)
+    for split in SPLITS if source.saved is not None else ():
+        try:
+            info = json.loads((source.saved / split / "dataset_info.json").read_text())
+            names = list(info["features"])
+        except (OSError, ValueError, KeyError) as err:
+            raise ConfigError(f"dataset {source.saved} split {split} is not a readable save_to_disk() "
+                              f"folder ({err!r})") from None
+        _check_columns(names, f"dataset {source.saved} split {split}", task)
     for split, paths in (source.files or {}).items():
         for path in paths:
             _check_first_record(path, split, task)
@@ -142,17 +148,6 @@ def _check_first_record(path: Path, split: str, task: str) -> None:
         record = _parse_json_line(path, number, line)
         names = list(record)
     _check_columns(names, f"dataset file {path}", task)
-
-
-def _check_saved_columns(source: Source, task: str) -> None:
-    for split in SPLITS:
-        try:
-            info = json.loads((source.saved / split / "dataset_info.json").read_text())
-            names = list(info["features"])
-        except (OSError, ValueError, KeyError) as err:
-            raise ConfigError(f"dataset {source.saved} split {split} is not a readable save_to_disk() "
-                              f"folder ({err!r})") from None
-        _check_columns(names, f"dataset {source.saved} split {split}", task)
 
 
 def _check_columns(names: list[str], where: str, task: str) -> None:
@@ -251,7 +246,11 @@ def _read_file(path: Path, builder: str, cache_dir: str | None):
         while cause.__cause__ or cause.__context__:
             cause = cause.__cause__ or cause.__context__
         if isinstance(cause, UnicodeDecodeError) or "Invalid UTF8" in str(cause):
-            _first_bad_utf8(path)
+            raw = path.read_bytes()
+            if (bad := _not_utf8(raw)) is not None:  # the first line that is not UTF-8
+                line = raw.count(b"\n", 0, bad[0]) + 1
+                raise ConfigError(f"dataset file {path} line {line} is not UTF-8 text ({bad[1]}); save the file as "
+                                  "UTF-8") from None
         raise ConfigError(f"dataset file {path} cannot be read: {first_line(cause)}") from None
 
 
@@ -263,15 +262,6 @@ def _not_utf8(raw: bytes) -> tuple[int, str] | None:
         near = raw[max(0, bad.start - 20):bad.start].rpartition(b"\n")[2]
         return bad.start, f"byte 0x{raw[bad.start]:02x} after {near!r}"
     return None
-
-
-def _first_bad_utf8(path: Path) -> None:
-    """Raise for the first line of `path` that is not UTF-8 (the error path only)."""
-    raw = path.read_bytes()
-    if (bad := _not_utf8(raw)) is not None:
-        offset, reads = bad
-        line = raw.count(b"\n", 0, offset) + 1
-        raise ConfigError(f"dataset file {path} line {line} is not UTF-8 text ({reads}); save the file as UTF-8")
 
 
 def _value_type(feature) -> str:

@@ -99,45 +99,16 @@ class Run:
                 "micro_batch_size": micro_batch_size, "config": self.cfg.to_dict(), "versions": library_versions()}
 
 
-def make_output_dir(output_dir: str) -> None:
-    """The output folder exists and is writable (an up-front check)."""
-    out = Path(output_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"output_dir {out} cannot be created ({err.strerror}); choose a folder you can "
-                          "write to") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise ConfigError(f"output_dir {out} is not writable; choose a folder you can write to")
-
-
-def quiet_libraries(env: DistEnv) -> None:
-    """What a user sees on every run and never needs: a "Writing model shards" bar per save, and on
-    CPU DeepSpeed's warning that it found no GPU (it probes when Accelerate first imports it)."""
-    transformers.utils.logging.disable_progress_bar()
-    if env.device.type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-def check_batch_fits_data(cfg: TrainConfig, schedule: tuple, examples: int) -> None:
-    """A global batch larger than the training set would never be reached: each step would take the
-    whole epoch while the records claimed the batch (an up-front check)."""
-    largest = max(size for _, size in schedule)
-    if largest > examples:
-        what = (f"global_batch_size {largest}" if len(schedule) == 1 else
-                f"global_batch_size_schedule {cfg.global_batch_size_schedule!r} reaches {largest}, which")
-        unit = f"blocks of {cfg.max_seq_len} tokens" if cfg.packing else "examples"
-        raise ConfigError(f"{what} is larger than the training set of dataset {cfg.dataset}: {examples} {unit}; "
-                          f"use a global batch of at most {examples}, or more data")
-
-
 def start(cfg: TrainConfig, entry: str) -> Run:
     """Every up-front check, then the run's facts. A finished run is compared (its data too) and answered
     without output_dir's lock, which any other job holds from here to its end. The preemption signals are
     listened for from the first line (SIGUSR1 while the data is prepared stops the run at its first step)."""
     preemption = PreemptionSignal()
     env = dist_env()
-    quiet_libraries(env)
+    # never needed: a "Writing model shards" bar per save, and on CPU DeepSpeed's warning that it found no GPU
+    transformers.utils.logging.disable_progress_bar()
+    if env.device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     launch = launch_of(cfg, entry)
     schedule = schedule_of(cfg, launch)
     check_back_end(cfg, env, launch)
@@ -150,7 +121,14 @@ def start(cfg: TrainConfig, entry: str) -> Run:
         if not finished:
             check_same_entry(state, entry, launch.backend, resume)
     if not finished:
-        make_output_dir(cfg.output_dir)
+        out = Path(cfg.output_dir)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"output_dir {out} cannot be created ({err.strerror}); choose a folder you can "
+                              "write to") from None
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise ConfigError(f"output_dir {out} is not writable; choose a folder you can write to")
         lock.take(env)
     try:
         return _start(cfg, env, launch, schedule, resume, state, finished, preemption)
@@ -170,7 +148,12 @@ def _start(cfg: TrainConfig, env: DistEnv, launch: Launch, schedule: tuple, resu
     prepared = prepare(cfg, tokenizer)
     config = model_config(cfg, tokenizer, prepared.num_labels or 2)
     data = prepared.data
-    check_batch_fits_data(cfg, schedule, len(data["train"]))
+    if (largest := max(size for _, size in schedule)) > len(data["train"]):  # no step would take the batch it records
+        what = (f"global_batch_size {largest}" if len(schedule) == 1 else
+                f"global_batch_size_schedule {cfg.global_batch_size_schedule!r} reaches {largest}, which")
+        raise ConfigError(f"{what} is larger than the training set of dataset {cfg.dataset}: {len(data['train'])} "
+                          f"{f'blocks of {cfg.max_seq_len} tokens' if cfg.packing else 'examples'}; use a global "
+                          f"batch of at most {len(data['train'])}, or more data")
     if state is not None:
         check_same_data(state, cfg, prepared.fingerprint, len(data["train"]), resume)
         if finished:

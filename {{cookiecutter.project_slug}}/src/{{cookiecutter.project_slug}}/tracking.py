@@ -230,8 +230,10 @@ class Tracker:
                        f"wandb sync {' '.join(shlex.quote(str(f)) for f in folders)}")
 
 
-def wandb_settings(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool) -> tuple[dict, dict]:
-    """(run config, wandb.init keyword arguments other than project and config)."""
+def _init_wandb(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool, accelerator):
+    """The W&B run; one that cannot reach its server logs offline instead, with one line."""
+    import wandb
+
     id_file = Path(cfg.output_dir) / "wandb_run_id"
     run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
     slurm_job = os.environ.get("SLURM_JOB_ID")
@@ -242,14 +244,6 @@ def wandb_settings(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: boo
             "resume": "allow" if run_id else None,
             "mode": os.environ.get("WANDB_MODE") or ("online" if _has_wandb_key() else "offline"),
             "dir": None if os.environ.get("WANDB_DIR") else cfg.output_dir}
-    return run_config, init
-
-
-def _init_wandb(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool, accelerator):
-    """The W&B run; one that cannot reach its server logs offline instead, with one line."""
-    import wandb
-
-    run_config, init = wandb_settings(cfg, env, plan, resumed)
 
     def start(init: dict):
         if accelerator is None:
