@@ -188,15 +188,21 @@ train_pytorch.main()
 """
 
 
+def wrapped_run(script: str, flags: dict, out, env: dict) -> subprocess.CompletedProcess:
+    """train_pytorch on 2 processes through `script` (train_pytorch with a library call wrapped),
+    written beside `out`."""
+    path = out.with_name(f"{out.name}_wrapped.py")
+    path.write_text(script)
+    cmd = launch_cmd("pytorch", 2)
+    cmd[-2:] = [str(path)]
+    return subprocess.run(cmd + flag_args(flags) + ["--output_dir", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+
+
 @pytest.mark.slow
 def test_a_job_killed_while_an_asynchronous_checkpoint_is_written_resumes_from_the_one_before(runs, tmp_path):
     flags, out = {**ACCUM, "fsdp": "full_shard", "async_checkpoint": "true", "save_steps": 4}, tmp_path / "out"
-    script = tmp_path / "killed_in_flight.py"
-    script.write_text(KILLED_IN_FLIGHT)
-    cmd = launch_cmd("pytorch", 2)
-    cmd[-2:] = [str(script)]
-    proc = subprocess.run(cmd + flag_args(flags) + ["--output_dir", str(out)], cwd=ROOT, env=runs.env,
-                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = wrapped_run(KILLED_IN_FLIGHT, flags, out, runs.env)
     assert proc.returncode == 1 and "exitcode  : -9" in proc.stderr, proc.stderr[-3000:]
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert checkpoints == [".tmp_step_8", "step_4"], checkpoints  # step 8's shards half-written, unpublished
@@ -239,13 +245,7 @@ train_pytorch.main()
 @pytest.mark.slow
 def test_a_job_killed_after_an_asynchronous_checkpoint_was_written_resumes_from_it(runs, tmp_path):
     flags, out = {**ACCUM, "fsdp": "full_shard", "async_checkpoint": "true", "save_steps": 4}, tmp_path / "out"
-    script = tmp_path / "killed_after_written.py"
-    script.write_text(KILLED_AFTER_WRITTEN)
-    cmd = launch_cmd("pytorch", 2)
-    cmd[-2:] = [str(script)]
-    proc = subprocess.run(cmd + flag_args(flags) + ["--output_dir", str(out)], cwd=ROOT,
-                          env={**runs.env, "OUTPUT_DIR": str(out)}, capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT_S)
+    proc = wrapped_run(KILLED_AFTER_WRITTEN, flags, out, {**runs.env, "OUTPUT_DIR": str(out)})
     assert proc.returncode == 1 and "exitcode  : -9" in proc.stderr, proc.stderr[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_4"], proc.stdout[-3000:]
     steps = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
@@ -282,12 +282,8 @@ def test_a_full_disk_while_a_sharded_checkpoint_is_written_is_one_line_per_proce
     """As DDP's (test_faults.py): DCP's error (a BaseException, every rank alike) is the one line of
     each process, in the background too; the partial folder is removed, the one before kept."""
     flags = {**ACCUM, "fsdp": "full_shard", "save_steps": 2, "async_checkpoint": async_checkpoint}
-    out, script = tmp_path / "out", tmp_path / "full_at_step_4.py"
-    script.write_text(FULL_AT_STEP_4)
-    cmd = launch_cmd("pytorch", 2)
-    cmd[-2:] = [str(script)]
-    proc = subprocess.run(cmd + flag_args(flags) + ["--output_dir", str(out)], cwd=ROOT, env=runs.env,
-                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    out = tmp_path / "out"
+    proc = wrapped_run(FULL_AT_STEP_4, flags, out, runs.env)
     assert proc.returncode == 1 and "exitcode  : 1" in proc.stderr, proc.stderr[-3000:]
     lines = error_lines(proc.stderr)
     written = re.compile(r"error: could not write step_4 \(OSError: \[Errno 27\] File too large\); the newest "
