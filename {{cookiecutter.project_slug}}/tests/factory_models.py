@@ -35,6 +35,10 @@ def gru(vocab_size, num_labels, cfg):
     return TinyGRU(vocab_size, num_labels)
 
 
+def positional(vocab_size):
+    return TinyGRU(vocab_size, None)
+
+
 def not_a_module(vocab_size, num_labels, cfg):
     return {"vocab_size": vocab_size}
 

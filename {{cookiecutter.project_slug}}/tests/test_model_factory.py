@@ -97,6 +97,7 @@ BAD_FACTORIES = [
     ({"model_factory": "factory_models:nothing"}, "factory_models has no function nothing"),
     ({"model_factory": "factory_models:NOT_CALLABLE"}, "factory_models has no function NOT_CALLABLE"),
     ({"model_factory": "factory_models:not_a_module"}, "returned a dict, not a torch.nn.Module"),
+    ({"model_factory": "factory_models:positional"}, "(vocab_size=..., num_labels=..., cfg=...) failed (TypeError: "),
     ({"model_factory": "factory_models:wrong_vocab"}, "expected [1, 2, 105] (the last size is vocab_size)"),
     ({"model_factory": "factory_models:wrong_vocab", "task": "sequence_classification"},
      "expected [1, 2] (the last size is num_labels)"),
@@ -117,7 +118,7 @@ def test_a_bad_factory_is_refused_in_one_line(case, monkeypatch, tmp_path):
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("case", [0, 5])  # at start, and when the model is built
+@pytest.mark.parametrize("case", [0, 6])  # at start, and when the model is built
 def test_a_bad_factory_exits_2_with_one_line(case, env, tmp_path):
     flags, message = BAD_FACTORIES[case]
     run = run_entry(ENTRIES[case % len(ENTRIES)], 1, tmp_path / "out", with_tests(env), {"max_steps": 2, **flags})

@@ -113,8 +113,12 @@ def build_factory_model(cfg: TrainConfig, vocab_size: int, num_labels: int | Non
     with one forward of two tokens in eval mode: logits of `num_labels`, or `vocab_size` per token. What an
     option needs and it lacks is refused here; the forward hook gives the `.logits` every loop reads."""
     torch.manual_seed(cfg.seed)
-    model = model_factory(cfg.model_factory)(vocab_size=vocab_size, num_labels=num_labels, cfg=cfg)
     where = f"model_factory {cfg.model_factory!r}"
+    try:
+        model = model_factory(cfg.model_factory)(vocab_size=vocab_size, num_labels=num_labels, cfg=cfg)
+    except Exception as err:
+        raise ConfigError(f"{where}(vocab_size=..., num_labels=..., cfg=...) failed ({type(err).__name__}: "
+                          f"{first_line(err)})") from None
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"{where} returned a {type(model).__name__}, not a torch.nn.Module")
     model.eval()
