@@ -115,6 +115,33 @@ def pytest_configure(config):
     os.environ.setdefault("HF_DATASETS_CACHE", str(config.rootpath / ".pytest_cache" / "hf_datasets"))
 
 
+def assert_one_stream(sampler_class, n: int, plan, batch_at, accum_at) -> int:
+    """Over 3 epochs of `n` examples on every rank of `plan`'s world: each step takes the next
+    `batch_at(step)` examples of the epoch's permutation (the last one the remainder) with
+    `accum_at(step)` micro-batches, every example once per epoch, epochs counting the run's steps.
+    Returns the run's steps (windows.WindowSampler, and the batch_schedule extra's sampler)."""
+    ranks = [sampler_class(n, plan, rank, seed=3) for rank in range(plan.world_size)]
+    sampler, step = ranks[0], 0
+    for epoch in range(3):
+        assert sampler.epoch_of(step) == (epoch, 0) and sampler.first_step(epoch) == step
+        order, offset = sampler.permutation(epoch).tolist(), 0
+        for s in range(sampler.steps_in(epoch)):
+            size = min(batch_at(step), n - offset)
+            window = sampler.window_at(step)
+            assert len(window.examples) == size and sampler.epoch_of(step) == (epoch, s)
+            assert (window.global_batch_size, window.grad_accum_steps) == (batch_at(step), accum_at(step))
+            assert window.ends_epoch == (offset + size == n)
+            windows = [r.window(epoch, s) for r in ranks]
+            assert len({len(w) for w in windows}) == 1
+            if size == batch_at(step):
+                assert len(windows[0]) == accum_at(step)
+            real = sorted(i for w in windows for mb in w for i, keep in mb if keep)
+            assert real == sorted(order[offset:offset + size])
+            offset, step = offset + size, step + 1
+        assert offset == n
+    return step
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,7 +9,7 @@ from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.optim import total_steps
 from {{ cookiecutter.project_slug }}.windows import WindowSampler
 
-from conftest import ROOT
+from conftest import ROOT, assert_one_stream
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 
@@ -19,24 +19,6 @@ def test_an_epoch_is_one_stream_of_the_permutation(n, global_batch, micro, world
     """Each step takes the next global batch of the epoch's permutation, the last one the remainder,
     whatever the world size; every example once per epoch; epochs keep counting the run's steps."""
     plan = plan_batches(global_batch, micro, world)
-    ranks = [WindowSampler(n, plan, rank, seed=3) for rank in range(world)]
-    sampler, step = ranks[0], 0
-    for epoch in range(3):
-        assert sampler.epoch_of(step) == (epoch, 0) and sampler.first_step(epoch) == step
-        order, offset = sampler.permutation(epoch).tolist(), 0
-        for s in range(sampler.steps_in(epoch)):
-            size = min(global_batch, n - offset)
-            window = sampler.window_at(step)
-            assert len(window.examples) == size and sampler.epoch_of(step) == (epoch, s)
-            assert (window.global_batch_size, window.grad_accum_steps) == (global_batch, plan.grad_accum_steps)
-            assert window.ends_epoch == (offset + size == n)
-            windows = [r.window(epoch, s) for r in ranks]
-            assert len({len(w) for w in windows}) == 1
-            if size == global_batch:
-                assert len(windows[0]) == plan.grad_accum_steps
-            real = sorted(i for w in windows for mb in w for i, keep in mb if keep)
-            assert real == sorted(order[offset:offset + size])
-            offset, step = offset + size, step + 1
-        assert offset == n
+    step = assert_one_stream(WindowSampler, n, plan, lambda step: global_batch, lambda step: plan.grad_accum_steps)
     cfg = load_config(["--config", CONFIG, "--max_steps", "-1", "--num_epochs", "3"])
     assert total_steps(cfg, WindowSampler(n, plan, 0, seed=3)) == step

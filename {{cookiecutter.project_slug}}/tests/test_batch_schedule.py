@@ -22,6 +22,7 @@ from conftest import (
     LAUNCH_TIMEOUT_S,
     ROOT,
     TOL,
+    assert_one_stream,
     assert_same_training,
     free_port,
     max_abs_diff,
@@ -67,23 +68,7 @@ def test_a_scheduled_epoch_is_one_stream_of_the_permutation(n, schedule, micro, 
     """Each step takes the next global batch of the epoch's permutation, whatever the world size;
     every example once per epoch; epochs keep counting the run's steps for the schedule."""
     plan = scheduled_plan(schedule[0][1], micro, world, schedule=schedule)
-    ranks = [ScheduledSampler(n, plan, rank, seed=3) for rank in range(world)]
-    step = 0
-    for epoch in range(3):
-        sampler = ranks[0]
-        assert sampler.epoch_of(step) == (epoch, 0) and sampler.first_step(epoch) == step
-        order, offset = sampler.permutation(epoch).tolist(), 0
-        for s, size in enumerate(sampler.epoch_sizes(epoch)):
-            assert size == min(plan.global_batch_at(step), n - offset)
-            assert len(sampler.window_at(step).examples) == size and sampler.epoch_of(step) == (epoch, s)
-            windows = [r.window(epoch, s) for r in ranks]
-            assert len({len(w) for w in windows}) == 1
-            if size == plan.global_batch_at(step):
-                assert len(windows[0]) == plan.accum_at(step)
-            real = sorted(i for w in windows for mb in w for i, keep in mb if keep)
-            assert real == sorted(order[offset:offset + size])
-            offset, step = offset + size, step + 1
-        assert offset == n
+    step = assert_one_stream(ScheduledSampler, n, plan, plan.global_batch_at, plan.accum_at)
     cfg = load_config(["--config", CONFIG, "--max_steps", "-1", "--num_epochs", "3"])
     assert total_steps(cfg, ScheduledSampler(n, plan, 0, seed=3)) == step
 
