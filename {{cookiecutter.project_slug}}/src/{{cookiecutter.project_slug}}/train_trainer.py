@@ -107,9 +107,11 @@ def train(cfg: TrainConfig) -> None:
     try:
         trainer.train(resume_from_checkpoint=str(run.resume) if run.resume else None)
     except Exception as err:  # the Trainer writes its checkpoints itself: a failed write ends here
+        remove_unpublished(cfg)  # on every process, once its own writes have ended
         if not any(frame.name == "_save_checkpoint" for frame in traceback.extract_tb(err.__traceback__)):
             raise
-        raise checkpoint_failed(cfg, session, err) from None
+        raise JobFailed(f"could not write a checkpoint ({type(err).__name__}: {first_line(err)}); "
+                        f"{after_a_failed_write(cfg.output_dir, err)}") from None
 
     if recorder.stopped:
         return session.stopped()
@@ -117,14 +119,11 @@ def train(cfg: TrainConfig) -> None:
     session.done()
 
 
-def checkpoint_failed(cfg: TrainConfig, session: Session, err: Exception) -> JobFailed:
-    """A checkpoint the Trainer could not write: its unpublished checkpoint-<N> folder is removed
-    (it is never read; the space is freed) and the newest complete checkpoint named."""
-    if session.env.is_main_process:
-        for partial_write in checkpoints_dir(cfg.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
-            shutil.rmtree(partial_write, ignore_errors=True)
-    return JobFailed(f"could not write a checkpoint ({type(err).__name__}: {first_line(err)}); "
-                     f"{after_a_failed_write(cfg.output_dir, err)}")
+def remove_unpublished(cfg: TrainConfig) -> None:
+    """The Trainer's checkpoint-<N> folders not yet published as step_<N>: never read, so a failed
+    run removes them. Every process does, as another one may still have been writing into one."""
+    for partial_write in checkpoints_dir(cfg.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        shutil.rmtree(partial_write, ignore_errors=True)
 
 
 def main() -> None:
