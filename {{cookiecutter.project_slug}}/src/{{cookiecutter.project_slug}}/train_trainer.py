@@ -15,6 +15,7 @@ from functools import partial
 
 from safetensors.torch import load_model
 from transformers import TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .checkpoint import after_a_failed_write, checkpoints_dir
@@ -107,8 +108,9 @@ def train(cfg: TrainConfig) -> None:
     try:
         trainer.train(resume_from_checkpoint=str(run.resume) if run.resume else None)
     except Exception as err:  # the Trainer writes its checkpoints itself: a failed write ends here
-        remove_unpublished(cfg)  # on every process, once its own writes have ended
-        if not any(frame.name == "_save_checkpoint" for frame in traceback.extract_tb(err.__traceback__)):
+        failed_write = any(frame.name == "_save_checkpoint" for frame in traceback.extract_tb(err.__traceback__))
+        remove_unpublished(cfg, unfinished_only=not failed_write)
+        if not failed_write:
             raise
         raise JobFailed(f"could not write a checkpoint ({type(err).__name__}: {first_line(err)}); "
                         f"{after_a_failed_write(cfg.output_dir, err)}") from None
@@ -119,11 +121,14 @@ def train(cfg: TrainConfig) -> None:
     session.done()
 
 
-def remove_unpublished(cfg: TrainConfig) -> None:
-    """The Trainer's checkpoint-<N> folders not yet published as step_<N>: never read, so a failed
-    run removes them. Every process does, as another one may still have been writing into one."""
+def remove_unpublished(cfg: TrainConfig, unfinished_only: bool) -> None:
+    """The Trainer's checkpoint-<N> folders not published as step_<N> are never read. A process whose
+    write failed removes them; another one that fails with it (it may have gone on writing into one
+    after the first had removed it) removes those the Trainer had not finished (it writes
+    trainer_state.json last)."""
     for partial_write in checkpoints_dir(cfg.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
-        shutil.rmtree(partial_write, ignore_errors=True)
+        if not (unfinished_only and (partial_write / TRAINER_STATE_NAME).exists()):
+            shutil.rmtree(partial_write, ignore_errors=True)
 
 
 def main() -> None:
