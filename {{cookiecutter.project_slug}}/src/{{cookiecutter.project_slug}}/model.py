@@ -150,8 +150,7 @@ def build_factory_model(cfg: TrainConfig, vocab_size: int, num_labels: int | Non
         raise ConfigError(f"{where}: logits of shape {list(logits.shape)} for 1 sequence of 2 tokens, expected "
                           f"{list(want)} (the last size is {'vocab_size' if num_labels is None else 'num_labels'})")
     model.train()
-    sharded = getattr(cfg, "fsdp", "none") != "none" or launch_of(cfg, "").fsdp  # train_pytorch's or Accelerate's
-    if sharded and not getattr(model, "_no_split_modules", None):
+    if launch_of(cfg, "").fsdp and not getattr(model, "_no_split_modules", None):  # Accelerate's FSDP
         raise ConfigError(f"fsdp: the {where} model has no _no_split_modules (the class names of its layers, each "
                           "an FSDP unit); add it, or train without FSDP")
     if cfg.gradient_checkpointing:
