@@ -10,7 +10,7 @@ import pytest
 
 from {{ cookiecutter.project_slug }}.errors import Interrupted, interruptible
 
-from conftest import ENTRIES, error_lines, launch_entry, worker_error_lines
+from conftest import ENTRIES, GPUS, error_lines, launch_entry, worker_error_lines
 
 
 def launch(entry, nproc, args, env, tmp_path):
@@ -33,8 +33,8 @@ def bad_inputs(tmp_path):
         (["--model_name_or_path", "no-such-org/no-such-model"], "cannot load model 'no-such-org/no-such-model'"),
         (["--global_batch_size", "10", "--micro_batch_size", "4"],
          "global_batch_size 10 is not divisible by micro_batch_size 4 x world_size 1 = 4"),
-        (["--attn_implementation", "flash_attention_2"],
-         "attn_implementation flash_attention_2 needs a CUDA GPU and the flash-attn package"),
+        (["--attn_implementation", "flash_attention_2", "--mixed_precision", "bf16"],  # a GPU, then the package
+         "attn_implementation flash_attention_2" + (" needs a CUDA GPU" if not GPUS else ": FlashAttention2 has been")),
     ]
 
 

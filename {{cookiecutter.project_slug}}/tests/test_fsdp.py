@@ -20,6 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.distributed import DistEnv
 from {{ cookiecutter.project_slug }}.launch import check_back_end, launch_of
+from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
+from {{ cookiecutter.project_slug }}.sharding import layer_classes
 
 from conftest import (
     ACCUM,
@@ -36,6 +38,7 @@ from conftest import (
     launch_cmd,
     max_abs_diff,
     max_loss_diff,
+    one_error_line,
     report,
     run_entry,
     worker_error_lines,
@@ -141,6 +144,27 @@ def test_a_sharded_checkpoint_continues_on_other_world_sizes_meshes_and_unsharde
     report(f"fsdp2 resharded resume 2 -> 4 (HSDP) -> 2 -> 1 (unsharded) -> 2: max |param diff| vs straight "
            f"{diff:.3g}, max |loss diff| {loss_diff:.3g}")
     assert diff <= 1e-6 and loss_diff <= TOL.loss
+
+def test_the_layers_to_shard_are_named_or_the_models_and_none_found_is_one_line(runs, tmp_path):
+    """fsdp_layer_classes, else the model's _no_split_modules; names that match no module would leave
+    FSDP2 one unit, the whole model: one line naming the model and the key, before any waiting."""
+    cfg = load_config(["--config", CONFIG, "--fsdp", "full_shard"])
+    model = build_model(cfg, model_config(cfg, load_tokenizer(cfg)))
+    name = type(model).__name__
+    assert layer_classes(model, cfg) == {"LlamaDecoderLayer"}
+    model._no_split_modules = ["DecoderLayer"]  # as another version of the model's code might name it
+    cfg.fsdp_layer_classes = "LlamaDecoderLayer, LlamaRMSNorm"
+    assert layer_classes(model, cfg) == {"LlamaDecoderLayer", "LlamaRMSNorm"}
+    cfg.fsdp_layer_classes = ""
+    with pytest.raises(ConfigError) as refused:
+        layer_classes(model, cfg)
+    assert str(refused.value) == (f"fsdp: {name} has no module of a class its _no_split_modules names (DecoderLayer), "
+                                  "so FSDP2 would shard only the whole model; set fsdp_layer_classes to the class "
+                                  "names of its layers (its repeated blocks: LlamaDecoderLayer)")
+    run = run_entry("pytorch", 1, tmp_path / "out", runs.env,
+                    {"fsdp": "full_shard", "fsdp_layer_classes": "LlamaDecoderLayr", "max_steps": 1})
+    one_error_line(run, f"fsdp: {name} has no module of a class fsdp_layer_classes names (LlamaDecoderLayr), so")
+
 
 @pytest.mark.parametrize("flags,entry,world_size,expected", [
     (["--fsdp", "full_shard"], "accelerate", 2, "fsdp full_shard is train_pytorch's FSDP2; train_accelerate shards"),

@@ -147,6 +147,46 @@ def test_a_classification_head_of_other_classes_is_one_line(tmp_path):
         model_config(cfg, tokenizer, 3)
 
 
+def test_attention_auto_trains_a_model_without_sdpa_and_records_eager(runs, tmp_path):
+    """Gemma2 supports no SDPA: auto picks eager, which the banner and the run's record name; sdpa
+    asked for is one line. A local checkpoint of random weights with the shipped tokenizer."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    tokenizer, folder = load_tokenizer(load_config(["--config", CONFIG])), tmp_path / "gemma2"
+    config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, head_dim=16,
+                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    Gemma2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    flags = {"task": "causal_lm", "model_name_or_path": folder, "max_steps": 1, "global_batch_size": 8,
+             "micro_batch_size": 4}
+    run = run_entry(ENTRIES[0], 1, tmp_path / "out", runs.env, flags)  # the session's entry point, already imported
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "eager attention" in run.stdout
+    assert json.loads((run.output_dir / "final_model" / "state.json").read_text())["config"]["attn_implementation"] \
+        == "eager"
+    one_error_line(run_entry(ENTRIES[0], 1, tmp_path / "sdpa", runs.env, {**flags, "attn_implementation": "sdpa"}),
+                   "attn_implementation sdpa: Gemma2ForCausalLM does not support an attention implementation through")
+
+
+def test_flash_attention_in_fp32_and_an_encoder_decoder_for_causal_lm_are_one_line(tmp_path):
+    """flash_attention_2 without mixed precision is refused with the config, before the GPU and package
+    checks; T5 has no causal LM class."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from {{ cookiecutter.project_slug }}.model import model_config
+
+    with pytest.raises(ConfigError, match="^attn_implementation flash_attention_2 runs in bf16/fp16: set mixed_precis"):
+        load_config(["--config", CONFIG, "--attn_implementation", "flash_attention_2", "--mixed_precision", "no"])
+    cfg = load_config(["--config", CONFIG, "--task", "causal_lm", "--model_name_or_path", str(tmp_path / "t5")])
+    tokenizer = load_tokenizer(load_config(["--config", CONFIG]))
+    T5ForConditionalGeneration(T5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, num_layers=1, num_heads=2,
+                                        d_kv=16)).save_pretrained(tmp_path / "t5")
+    tokenizer.save_pretrained(tmp_path / "t5")
+    with pytest.raises(ConfigError, match=f"^model {tmp_path / 't5'} is a t5 model, which AutoModelForCausalLM"
+                                          r" cannot build \(for causal_lm a decoder-only model, not an encoder-"):
+        model_config(cfg, load_tokenizer(cfg))
+
+
 def test_max_seq_len_must_leave_room_for_text():
     cfg = load_config(["--config", CONFIG, "--max_seq_len", "2"])
     with pytest.raises(ConfigError, match="max_seq_len 2 leaves no room for text: the tokenizer adds 2 special"):

@@ -105,9 +105,9 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
     tf32: bool = key("TF32 matmuls on CUDA (faster, 10-bit mantissa); false keeps them full fp32.", True,
                      resume="free", data=False)
     fused_adamw: bool = key("AdamW's fused CUDA kernel (optimizer adamw on CUDA).", True, resume="free", data=False)
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = key(
-        "The model's attention kernel: sdpa (torch's scaled_dot_product_attention), eager, or "
-        "flash_attention_2 (needs the flash-attn package).", "sdpa", resume="free", data=False)
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = key(
+        "The model's attention: auto (sdpa where the model supports it, else eager; the run records which), sdpa, "
+        "eager, or flash_attention_2 (needs flash-attn and bf16/fp16).", "auto", resume="free", data=False)
     dataloader_workers: int = key(
         "Processes that collate the next micro-batches while the device computes; -1: 4 on CUDA (with "
         "pinned memory), 0 on CPU.", -1, resume="free", data=False)
@@ -164,18 +164,15 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
                 raise ConfigError(f"{f.name} must be a finite number, got {getattr(self, f.name)}")
         positive = ("max_seq_len", "num_epochs", "global_batch_size", "fp16_init_scale", "max_nonfinite_steps",
                     "rendezvous_timeout_s", "collective_timeout_s")
+        non_negative = ("warmup_steps", "weight_decay", "max_grad_norm", "eval_every", "log_every", "data_num_proc",
+                        "save_steps", "save_total_limit", "stop_after_steps", "peak_tflops")
         if self.micro_batch_size == "auto":
             extras.require("auto_batch", "micro_batch_size auto")
         elif self.micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size must be >= 1 or auto, got {self.micro_batch_size}")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        non_negative = ("warmup_steps", "weight_decay", "max_grad_norm", "eval_every", "log_every", "data_num_proc",
-                        "save_steps", "save_total_limit", "stop_after_steps", "peak_tflops")
-        for name in non_negative:
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for least, names in ((1, positive), (0, non_negative)):
+            for name in (name for name in names if getattr(self, name) < least):
+                raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**32:  # numpy's seeds
             raise ConfigError(f"seed must be a whole number from 0 to {2**32 - 1}, got {self.seed}")
         if self.max_steps == 0 or self.max_steps < -1:
@@ -186,6 +183,8 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.dataloader_workers < -1:
             raise ConfigError(f"dataloader_workers must be -1 (auto) or >= 0, got {self.dataloader_workers}")
+        if self.attn_implementation == "flash_attention_2" and self.mixed_precision == "no":
+            raise ConfigError("attn_implementation flash_attention_2 runs in bf16/fp16: set mixed_precision bf16/fp16")
         if self.packing and self.task != "causal_lm":
             raise ConfigError(f"packing joins documents for causal_lm; task {self.task} keeps one example per "
                               "sequence: set packing false")

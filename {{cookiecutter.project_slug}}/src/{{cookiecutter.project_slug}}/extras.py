@@ -13,7 +13,7 @@ BAKED = frozenset("{{ cookiecutter.__extras }}".split(",")) - {""}
 # where it has one), and each key with the value that leaves the extra off.
 EXTRAS = {
     "fsdp": ("FSDP2/HSDP sharding in train_pytorch, with sharded and asynchronous checkpoints", "fsdp",
-             {"fsdp": "none", "fsdp_replicas": 1, "async_checkpoint": False}),
+             {"fsdp": "none", "fsdp_replicas": 1, "fsdp_layer_classes": "", "async_checkpoint": False}),
     "auto_batch": ("micro_batch_size auto: the micro-batch search and its out-of-memory retry", "auto_batch",
                    {"memory_budget_mb": 0.0}),
     "batch_schedule": ("a global batch that grows during the run, and the gradient noise scale", "batch_schedule",

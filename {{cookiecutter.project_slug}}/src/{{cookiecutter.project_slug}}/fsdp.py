@@ -20,6 +20,9 @@ class Keys:
     fsdp_replicas: int = key(
         "hybrid_shard: replica groups of the mesh (replicate x shard); the world size must be a multiple.", 1,
         resume="free", data=False)
+    fsdp_layer_classes: str = key(
+        "FSDP2: the class names of the layers each sharded as a unit of its own, comma-separated (e.g. "
+        "LlamaDecoderLayer); empty: the model's _no_split_modules.", "", resume="free", data=False)
     async_checkpoint: bool = key(
         "FSDP2: write sharded checkpoints in the background while training continues.", False,
         resume="free", data=False)

@@ -64,13 +64,8 @@ def check_back_end(cfg: TrainConfig, env: DistEnv, launch: Launch) -> None:
         raise ConfigError(f"compile with DDP needs ddp_bucket_cap_mb >= 1, got {cfg.ddp_bucket_cap_mb:g}: "
                           "torch.compile splits the graph at DDP's buckets and refuses buckets smaller than DDP's "
                           "first one (1 MiB)")
-    if cfg.attn_implementation == "flash_attention_2":
-        from transformers.utils import is_flash_attn_2_available
-
-        missing = "no GPU here" if env.device.type != "cuda" else "flash-attn is not installed"
-        if env.device.type != "cuda" or not is_flash_attn_2_available():
-            raise ConfigError(f"attn_implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
-                              f"({missing}); use sdpa, torch's own fused attention")
+    if cfg.attn_implementation == "flash_attention_2" and env.device.type != "cuda":  # its package: with_attention
+        raise ConfigError("attn_implementation flash_attention_2 needs a CUDA GPU, and this machine has none; use auto")
     if on_accelerate and cfg.mixed_precision == "fp16" and env.device.type == "cpu":
         raise ConfigError("mixed_precision fp16 on CPU: Accelerate (and the Trainer on it) runs no fp16 autocast "
                           "or loss scaling on CPU and would train in fp32; use bf16 on CPU, or train_pytorch")

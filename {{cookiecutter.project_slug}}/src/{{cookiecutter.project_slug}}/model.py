@@ -54,8 +54,8 @@ def load_tokenizer(cfg: TrainConfig):
 
 
 def model_config(cfg: TrainConfig, tokenizer, num_labels: int = 2):
-    """The model's config (an up-front check, errors.ConfigError); a model_factory's names the
-    sizes its factory is called with."""
+    """The model's config (an up-front check, errors.ConfigError), its attention resolved in it and in `cfg`
+    (with_attention); a model_factory's names the sizes its factory is called with."""
     if cfg.model_factory:
         model_factory(cfg.model_factory)
         config = PretrainedConfig(vocab_size=len(tokenizer))
@@ -77,6 +77,22 @@ def model_config(cfg: TrainConfig, tokenizer, num_labels: int = 2):
                               f"classes, the data has {num_labels}; use data with the model's classes, or a model "
                               "without a classification head")
         config.num_labels = num_labels
+    return config if cfg.model_factory else with_attention(cfg, config)
+
+
+def with_attention(cfg: TrainConfig, config):
+    """`config` and `cfg` set to the attention the model runs, as its constructor decides (auto: sdpa, else eager)."""
+    auto = AutoModelForCausalLM if cfg.task == "causal_lm" else AutoModelForSequenceClassification
+    if type(config) not in auto._model_mapping:  # e.g. T5 for causal_lm
+        raise ConfigError(f"model {cfg.model_name_or_path} is a {config.model_type} model, which {auto.__name__} "
+                          "cannot build (for causal_lm a decoder-only model, not an encoder-decoder); use one it can")
+    config._attn_implementation = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
+    try:
+        with torch.device("meta"), no_init_weights():  # transformers' own check, nothing allocated
+            cfg.attn_implementation = auto.from_config(config).config._attn_implementation
+    except (ValueError, ImportError) as err:  # the model does not support the kernel asked for, or it is missing
+        raise ConfigError(f"attn_implementation {cfg.attn_implementation}: {first_line(err).split('. ')[0].rstrip('.')}"
+                          "; use attn_implementation auto (sdpa where the model supports it, else eager)") from None
     return config
 
 
@@ -134,8 +150,7 @@ def build_factory_model(cfg: TrainConfig, vocab_size: int, num_labels: int | Non
         raise ConfigError(f"{where}: logits of shape {list(logits.shape)} for 1 sequence of 2 tokens, expected "
                           f"{list(want)} (the last size is {'vocab_size' if num_labels is None else 'num_labels'})")
     model.train()
-    sharded = getattr(cfg, "fsdp", "none") != "none" or launch_of(cfg, "").fsdp  # train_pytorch's or Accelerate's
-    if sharded and not getattr(model, "_no_split_modules", None):
+    if launch_of(cfg, "").fsdp and not getattr(model, "_no_split_modules", None):  # Accelerate's FSDP
         raise ConfigError(f"fsdp: the {where} model has no _no_split_modules (the class names of its layers, each "
                           "an FSDP unit); add it, or train without FSDP")
     if cfg.gradient_checkpointing:
@@ -148,8 +163,8 @@ def build_factory_model(cfg: TrainConfig, vocab_size: int, num_labels: int | Non
 
 
 def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
-    """The model in fp32 with `attn_implementation` attention, initialised from `cfg.seed` (tiny)
-    or the pretrained weights; or the model_factory's."""
+    """The model in fp32 with the attention `config` names (with_attention), initialised from `cfg.seed`
+    (tiny) or the pretrained weights; or the model_factory's."""
     if cfg.model_factory:
         return build_factory_model(cfg, **factory_arguments(cfg, config))
     auto = AutoModelForCausalLM if cfg.task == "causal_lm" else AutoModelForSequenceClassification
@@ -160,12 +175,11 @@ def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
         # partitioned start and a whole one train the same
         zero3 = is_deepspeed_zero3_enabled()
         with nullcontext() if zero3 else no_init_weights():
-            model = auto.from_config(config, dtype=torch.float32, attn_implementation=cfg.attn_implementation)
+            model = auto.from_config(config, dtype=torch.float32)
         if not zero3:
             model.init_weights()
     else:
-        model = auto.from_pretrained(cfg.model_name_or_path, config=config, dtype=torch.float32,
-                                     attn_implementation=cfg.attn_implementation)
+        model = auto.from_pretrained(cfg.model_name_or_path, config=config, dtype=torch.float32)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with DDP's no_sync and with unused parameters.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -31,7 +31,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from .checkpoint import _attempt, mark_complete, older_that_loads, publish, write_atomically
 from .config import TrainConfig
 from .distributed import DistEnv, init_distributed
-from .errors import JobFailed, first_line
+from .errors import ConfigError, JobFailed, first_line
 from .model import fsdp_mixed_precision
 from .speed import COMPILE
 
@@ -40,8 +40,27 @@ DCP_DIR = "dcp"  # a sharded checkpoint's folder inside checkpoints/step_<N>/
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+def layer_classes(model: torch.nn.Module, cfg: TrainConfig) -> set[str]:
+    """The class names of the modules that become FSDP units of their own: fsdp_layer_classes, else the
+    model's `_no_split_modules`. ConfigError where a name given, or every name, is no module's class:
+    FSDP2 would shard the root alone, gathering the whole model at once."""
+    given = {name.strip() for name in cfg.fsdp_layer_classes.split(",")} - {""}
+    names = given or set(getattr(model, "_no_split_modules", None) or ())
+    present = {type(module).__name__ for module in model.modules()}
+    if given - present or not names & present:
+        what = (f"has no module of a class fsdp_layer_classes names ({', '.join(sorted(given - present))})" if given
+                else f"has no module of a class its _no_split_modules names ({', '.join(sorted(names))})" if names
+                else "names no _no_split_modules")
+        blocks = {type(block).__name__ for module in model.modules() if isinstance(module, torch.nn.ModuleList)
+                  for block in module}  # its layers, most likely
+        raise ConfigError(f"fsdp: {type(model).__name__} {what}, so FSDP2 would shard only the whole model; set "
+                          "fsdp_layer_classes to the class names of its layers (its repeated blocks: "
+                          f"{', '.join(sorted(blocks)) or 'none'})")
+    return names & present
+
+
 def shard(model: torch.nn.Module, cfg: TrainConfig, env: DistEnv) -> FSDPModule:
-    """`model` sharded in place: each of its decoder layers (the classes it names in
+    """`model` sharded in place: each of its decoder layers (layer_classes: fsdp_layer_classes or
     `_no_split_modules`) a unit of its own, then the root (embeddings, final norm, head). Under
     mixed precision the forward runs in bf16/fp16 and gradients are reduced and accumulated in fp32.
     With `compile`, each layer is compiled on its own, before it is sharded (FSDP2's hooks stay
@@ -52,7 +71,7 @@ def shard(model: torch.nn.Module, cfg: TrainConfig, env: DistEnv) -> FSDPModule:
     else:
         mesh = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
     policy = MixedPrecisionPolicy(**(fsdp_mixed_precision(cfg) or {}))
-    layers = set(getattr(model, "_no_split_modules", None) or ())
+    layers = layer_classes(model, cfg)
     for module in list(model.modules()):
         if type(module).__name__ in layers:
             if cfg.compile:
@@ -119,6 +138,7 @@ class Sharded:
 
     def __init__(self, run, model: torch.nn.Module):
         cfg, env = run.cfg, run.env
+        layer_classes(model, cfg)  # a refusal before any process waits on another
         init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s, alone_too=True)
         self.model = shard(model, cfg, env)
         self.counter = CollectiveCounter(self.model, hybrid=cfg.fsdp == "hybrid_shard")

@@ -75,7 +75,8 @@ class Run:
         cfg = self.cfg
         examples = f"blocks of {cfg.max_seq_len} tokens" if cfg.packing else "examples"
         cuda = self.env.device.type == "cuda"
-        levers = [f"compile {'on' if cfg.compile else 'off'}", f"{cfg.attn_implementation} attention",
+        levers = [f"compile {'on' if cfg.compile else 'off'}",
+                  f"{'its own' if cfg.model_factory else cfg.attn_implementation} attention",
                   f"matmuls in {matmul_precision(cfg, self.env.device)}",
                   *(["fused AdamW"] if cuda and cfg.fused_adamw and cfg.optimizer == "adamw" else []),
                   f"peak {self.peak_flops / 1e12:g} TFLOP/s per device" if self.peak_flops else "no known peak: no mfu"]
