@@ -109,9 +109,9 @@ quote() {  # the arguments, each quoted for bash, space-separated
   echo "${quoted% }"
 }
 
-PREEMPTED=0
+PREEMPTED=0 WAIT_CUT=0
 on_preemption_signal() {
-  PREEMPTED=1
+  PREEMPTED=1 WAIT_CUT=1
   echo "job $JOB_ID got the preemption signal: every training process checkpoints at its next optimizer step"
   scancel --signal=USR1 "$JOB_ID"  # every process of the job's steps, on every node
 }
@@ -132,10 +132,12 @@ launch_on_nodes() {
   if [[ "$NNODES" == *:* ]]; then on_failure=--no-kill; fi
   srun --nodes "${#NODES[@]}" --ntasks-per-node 1 "$on_failure" bash -c "trap '' USR1; exec $node_cmd" &
   pid=$!
-  wait "$pid" || status=$?
-  while ((status > 128)) && kill -0 "$pid" 2>/dev/null; do  # the wait was cut short by the trap
-    status=0
+  # a wait that the trap cut short (status > 128) waits again: bash keeps the status of a step that
+  # ended while the trap ran
+  while :; do
+    WAIT_CUT=0 status=0
     wait "$pid" || status=$?
+    ((status > 128 && WAIT_CUT)) || break
   done
   if ((PREEMPTED && status == 0)) && [[ ! -d "$OUTPUT_DIR/final_model" ]]; then
     echo "requeueing job $JOB_ID: it resumes from $OUTPUT_DIR/checkpoints"
