@@ -64,7 +64,7 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str, launchers
                                     "test_output_lock", "fork_launcher", "sync_counting", "test_faults",
                                     "test_inputs", "test_levers", "test_parity", "test_resume", "test_scripts",
                                     "test_speed", "test_wandb", "test_elastic", "test_extras", "test_extending",
-                                    "test_model_factory", "factory_models", "test_gpu_check")),
+                                    "test_model_factory", "factory_models", "test_gpu_check", "test_install")),
         "docs/loss_curves.png", *(f"benchmarks/{m}.py" for m in ("__init__", "bare_loop", "common", "gpu_check")),
     }
     for extra in extras:

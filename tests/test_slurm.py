@@ -2,7 +2,8 @@
 127.0.0.1) with munge, started by this module (tests/slurm/slurm_up.sh) and stopped by PID.
 
 Each script trains on both nodes (1 CPU process per node: world size 2); then a job gets the
-preemption signal SLURM sends before a time limit, checkpoints, is requeued, resumes and finishes.
+preemption signal SLURM sends before a time limit, checkpoints, is requeued, resumes and finishes;
+and so does one task of a job array, alone.
 Needs root (daemons, apt-get, /etc/hosts); skipped, saying why, where the machine cannot run it.
 """
 
@@ -170,3 +171,59 @@ def test_preempted_job_checkpoints_requeues_and_resumes(project, slurm, tmp_path
     t0 = timeline["submitted"]
     report(f"slurm preemption, job {job}: " + ", ".join(f"{k} +{v - t0:.1f} s" for k, v in timeline.items())
            + f"; stopped after step {stopped} of 200, checkpoint step_{stopped}, restarts {state['Restarts']}")
+
+
+@pytest.mark.slow
+def test_preempted_array_task_alone_checkpoints_requeues_and_resumes(project, slurm, tmp_path, request):
+    """`sbatch --array=0-2`: three tasks of one node each, all running at once (a CPU and a fake GPU
+    each). The preemption signal goes to the task whose own job id is the array's, the one that
+    `scancel <job id>` and `scontrol requeue <job id>` would take for the whole array: that task
+    alone checkpoints, is requeued and resumes; the other two train once, to the end."""
+    env = job_env(slurm, tmp_path / "run")
+    del env["OUTPUT_DIR"]  # each task's own default folder, runs/<array job id>_<index>
+    steps = 150  # 6-10 s of training: every task is still at it when the signal comes
+    submitted = run(["sbatch", "--parsable", "--array=0-2", "--nodes=1", "--cpus-per-task=1", "--gpus-per-node=1",
+                     f"--output={tmp_path}/task-%a.out", "scripts/slurm/torchrun.sbatch", "--max_steps", str(steps),
+                     *TRAIN], env, cwd=project)
+    assert submitted.returncode == 0, submitted.stderr
+    array = submitted.stdout.strip().split(";")[0]
+    tasks = [f"{array}_{index}" for index in range(3)]
+    outs = {task: project / "runs" / task for task in tasks}
+    request.addfinalizer(lambda: [shutil.rmtree(out, ignore_errors=True) for out in outs.values()])
+    log_paths = {task: tmp_path / f"task-{index}.out" for index, task in enumerate(tasks)}
+    timeline = {"submitted": time.monotonic()}
+    deadline = timeline["submitted"] + JOB_TIMEOUT_S
+    try:
+        states = {task: wait_for(task, slurm, ("RUNNING", *FINAL), deadline) for task in tasks}
+        [target] = [task for task in tasks if states[task]["JobId"] == array]
+        while len(steps_of(outs[target])) < 2:
+            assert time.monotonic() < deadline, log_paths[target].read_text()
+            time.sleep(0.1)
+        timeline["training"] = time.monotonic()
+        running = {task: job_state(task, slurm)["JobState"] for task in tasks}
+        assert set(running.values()) == {"RUNNING"}, running  # the signal could reach every task
+        assert run(["scancel", "--signal=USR1", "--batch", target], env).returncode == 0
+        state = wait_for(target, slurm, ("PENDING", *FINAL), deadline)
+        timeline["requeued"] = time.monotonic()
+        assert state["JobState"] == "PENDING" and state["Restarts"] == "1", state
+        stopped = steps_of(outs[target])[-1]["step"]
+        wait_for(target, slurm, ("RUNNING", *FINAL), deadline)
+        timeline["restarted"] = time.monotonic()
+        states = {task: wait_for(task, slurm, FINAL, deadline) for task in tasks}
+        timeline["finished"] = time.monotonic()
+    finally:
+        run(["scancel", array], env)
+    logs = {task: path.read_text() for task, path in log_paths.items()}
+    for task in tasks:
+        assert states[task]["JobState"] == "COMPLETED" and states[task]["ExitCode"] == "0:0", logs[task][-4000:]
+        assert states[task]["Restarts"] == ("1" if task == target else "0"), (task, states[task])
+        assert [r["step"] for r in steps_of(outs[task])] == list(range(1, steps + 1)), logs[task][-4000:]
+        assert (outs[task] / "final_model" / "model.safetensors").is_file()
+        assert logs[task].startswith(f"job {task} (restart 0): 1 node x 1 process"), logs[task][:300]
+        preempted = (f"job {task} got the preemption signal" in logs[task], f"requeueing job {task}:" in logs[task])
+        assert preempted == ((True, True) if task == target else (False, False)), logs[task][-4000:]
+    assert f"resuming after step {stopped}" in logs[target]
+    assert (outs[target] / "checkpoints" / f"step_{stopped}" / "state.json").is_file()
+    t0 = timeline["submitted"]
+    report(f"slurm array {array}_[0-2], task {target} preempted: " + ", ".join(
+        f"{k} +{v - t0:.1f} s" for k, v in timeline.items()) + f"; stopped after step {stopped} of {steps}")

@@ -49,6 +49,9 @@ JobCompType=jobcomp/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+# a pass every 1-2 s (default 30 and 60): a requeued job starts once cred_expire is over, not up to
+# a minute later (measured: 12 s from requeue to start, against 25-39 s)
+SchedulerParameters=bf_interval=1,sched_interval=2
 ReturnToService=2
 GresTypes=gpu
 SlurmctldPort=6817

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -201,6 +202,63 @@ def test_sbatch_shares_the_nodes_cpus_among_its_processes(env, variables, said):
     assert proc.returncode == 0 and said in proc.stdout, proc.stdout + proc.stderr
     restarts = variables.get("MAX_RESTARTS", "1")
     assert f"max_restarts {restarts} " in proc.stdout or f"max-restarts {restarts} " in proc.stdout
+
+
+# An array task whose own job id is the array's (SLURM gives it to one task): that id alone would
+# name every task of the array.
+ARRAY_TASK = {"SLURM_JOB_ID": "100", "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "2"}
+
+
+@pytest.mark.parametrize("script", SBATCH, ids=lambda p: p.stem)
+def test_sbatch_dry_run_names_an_array_task_by_its_index(script, env):
+    proc = subprocess.run(["bash", str(script), "--max_steps", "3"], cwd=ROOT, capture_output=True, text=True,
+                          env={**env, **ARRAY_TASK, "DRY_RUN": "1", "SLURM_NNODES": "2", "NPROC_PER_NODE": "1"},
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("job 100_2 (restart 0): 2 nodes x 1 process, head node0:20100, output runs/100_2\n")
+    nodes = [line for line in proc.stdout.splitlines() if line.startswith("node")]
+    assert len(nodes) == 2 and all(line.endswith("--output_dir runs/100_2 --resume_from_checkpoint auto --max_steps 3")
+                                   for line in nodes), nodes
+
+
+FAKE_SLURM = {  # each records its arguments; srun runs until scancel has signalled its step
+    "srun": 'touch "$FAKE/started"; while [[ ! -e "$FAKE/signalled" ]]; do sleep 0.05; done',
+    "scancel": 'echo "scancel $*" >>"$FAKE/calls"; touch "$FAKE/signalled"',
+    "scontrol": 'echo "scontrol $*" >>"$FAKE/calls"'}
+
+
+@pytest.mark.parametrize("variables,job", [({"SLURM_JOB_ID": "7"}, "7"), (ARRAY_TASK, "100_2")],
+                         ids=["job", "array_task"])
+def test_the_preemption_signal_is_passed_on_and_requeues_this_job_alone(env, tmp_path, variables, job):
+    """SLURM's USR1 to the batch script (#SBATCH --signal=B:USR1@...): the script signals its job's
+    steps and requeues the job, both by the name scancel and scontrol give it; in an array, this
+    task's. srun, scancel and scontrol stand in here (the template's tests run the real ones)."""
+    if not SBATCH:
+        pytest.skip("a project generated without the SLURM scripts")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (fake / name).write_text(f"#!/bin/bash\n{body}\n")
+        (fake / name).chmod(0o755)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "slurm" / "torchrun.sbatch")], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**env, **variables, "PATH": f"{fake}{os.pathsep}{env['PATH']}", "FAKE": str(tmp_path),
+                                 "SLURM_NNODES": "1", "NPROC_PER_NODE": "1", "OUTPUT_DIR": str(out)})
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "started").exists():  # srun started: the script's trap is set
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout + stderr
+    assert (tmp_path / "calls").read_text().splitlines() == [f"scancel --signal=USR1 {job}", f"scontrol requeue {job}"]
+    assert stdout.splitlines()[-2:] == [
+        f"job {job} got the preemption signal: every training process checkpoints at its next optimizer step",
+        f"requeueing job {job}: it resumes from {out}/checkpoints"]
 
 
 def test_readme_commands_run_one_after_another():

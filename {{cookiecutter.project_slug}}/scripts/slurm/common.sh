@@ -10,7 +10,9 @@
 #     OMP_NUM_THREADS (an equal share per process, unless set; torchrun would set 1)
 #   MAX_RESTARTS (default 1: the launcher restarts the processes of a failed node once, from the
 #     newest checkpoint, e.g. at a smaller micro batch after an out-of-memory error)
-#   OUTPUT_DIR (default runs/<job id>: the same folder after a requeue)
+#   JOB_ID (this job as scancel and scontrol name it: <array job id>_<task index> in a job array,
+#     whose bare job id would name every task of the array, else SLURM_JOB_ID)
+#   OUTPUT_DIR (default runs/<JOB_ID>: the same folder after a requeue)
 #   TRAIN_ARGS (--config, --output_dir, --resume_from_checkpoint auto, then the script's arguments)
 # An elastic range NNODES=MIN:MAX (torchrun.sbatch) must hold the allocation's node count; srun then
 # keeps the other nodes' launchers running when one node's ends (--no-kill; submit with
@@ -18,10 +20,14 @@
 # launch_on_nodes NODE_CMD runs NODE_CMD once per node under srun; `\$SLURM_NODEID` in it is
 # expanded on each node (its node rank). DRY_RUN=1 prints each node's command instead.
 #
-# Preemption: SLURM sends USR1 to this batch shell before the time limit (#SBATCH --signal=B:USR1@...).
-# The trap passes it to every process of the job step; the launchers ignore it (trap '' USR1) and
-# the training processes stop at the next optimizer step with a checkpoint and exit 0; the job is
-# then requeued, and on restart `--resume_from_checkpoint auto` continues from that checkpoint.
+# Preemption: SLURM sends USR1 to this batch shell 120 s before the time limit (#SBATCH
+# --signal=B:USR1@120). A checkpoint that takes longer to write needs a longer lead: submit with
+# `sbatch --signal=B:USR1@600` or SBATCH_SIGNAL=B:USR1@600 (either overrides the #SBATCH line; keep
+# `B:`, which sends the signal to this shell). The trap passes it to every process of the job step;
+# the launchers ignore it (trap '' USR1) and the training processes stop at the next optimizer step
+# with a checkpoint and exit 0; the job is then requeued, and on restart `--resume_from_checkpoint
+# auto` continues from that checkpoint. Signal and requeue name the job as JOB_ID: in an array, this
+# task alone.
 
 source scripts/flags.sh
 
@@ -34,7 +40,11 @@ job_setup() {
   a_port MASTER_PORT
   count_of MAX_RESTARTS
   node_range NNODES
-  JOB_ID=${SLURM_JOB_ID:-dry-run}
+  if [[ -n "${SLURM_ARRAY_TASK_ID:-}" ]]; then
+    JOB_ID=${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID
+  else
+    JOB_ID=${SLURM_JOB_ID:-dry-run}
+  fi
   if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
     mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
   else  # outside an allocation (DRY_RUN=1 on a login node): placeholder names
@@ -99,11 +109,11 @@ quote() {  # the arguments, each quoted for bash, space-separated
   echo "${quoted% }"
 }
 
-PREEMPTED=0
+PREEMPTED=0 WAIT_CUT=0
 on_preemption_signal() {
-  PREEMPTED=1
-  echo "preemption signal: every training process checkpoints at its next optimizer step"
-  scancel --signal=USR1 "$SLURM_JOB_ID"  # every process of the job's steps, on every node
+  PREEMPTED=1 WAIT_CUT=1
+  echo "job $JOB_ID got the preemption signal: every training process checkpoints at its next optimizer step"
+  scancel --signal=USR1 "$JOB_ID"  # every process of the job's steps, on every node
 }
 
 launch_on_nodes() {
@@ -122,14 +132,16 @@ launch_on_nodes() {
   if [[ "$NNODES" == *:* ]]; then on_failure=--no-kill; fi
   srun --nodes "${#NODES[@]}" --ntasks-per-node 1 "$on_failure" bash -c "trap '' USR1; exec $node_cmd" &
   pid=$!
-  wait "$pid" || status=$?
-  while ((status > 128)) && kill -0 "$pid" 2>/dev/null; do  # the wait was cut short by the trap
-    status=0
+  # a wait that the trap cut short (status > 128) waits again: bash keeps the status of a step that
+  # ended while the trap ran
+  while :; do
+    WAIT_CUT=0 status=0
     wait "$pid" || status=$?
+    ((status > 128 && WAIT_CUT)) || break
   done
   if ((PREEMPTED && status == 0)) && [[ ! -d "$OUTPUT_DIR/final_model" ]]; then
-    echo "requeueing job $SLURM_JOB_ID: it resumes from $OUTPUT_DIR/checkpoints"
-    scontrol requeue "$SLURM_JOB_ID"
+    echo "requeueing job $JOB_ID: it resumes from $OUTPUT_DIR/checkpoints"
+    scontrol requeue "$JOB_ID"
   fi
   return "$status"
 }
