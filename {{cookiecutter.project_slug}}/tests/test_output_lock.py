@@ -111,6 +111,55 @@ def test_torchrun_names_the_job_by_its_run_id_or_its_rendezvous(alone, monkeypat
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert job_identity() == "torchrun at 10.0.0.1:29500"
+    monkeypatch.setenv("SLURM_JOB_ID", "17")
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "north")  # two clusters may share a disk and a job number
+    assert job_identity() == "slurm job 17 step batch on north"
+
+
+def test_single_node_jobs_on_two_hosts_are_two_jobs(tmp_path, alone, monkeypatch):
+    """`scripts/train_local.sh` on two hosts with one MASTER_PORT: the same loopback rendezvous, not
+    the same job; the second is refused while the first beats."""
+    for name, value in {"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    assert job_identity() == f"torchrun at 127.0.0.1:29500 on {socket.gethostname()}"
+    hold(tmp_path, host="node-7", pid=1, job="torchrun at 127.0.0.1:29500 on node-7")
+    with pytest.raises(ConfigError, match="in use by another job"):
+        OutputLock(str(tmp_path)).check()
+
+
+def test_a_paused_holder_taken_over_stops_before_its_next_write(tmp_path, alone, monkeypatch):
+    """Paused past the stale time (a suspended job), the folder taken over by another host's job:
+    the holder's heartbeat no longer writes its lock, and its next record or checkpoint is one line
+    instead (JobFailed, exit 1); leaving, it keeps the other job's lock."""
+    from {{ cookiecutter.project_slug }} import output_lock
+    from {{ cookiecutter.project_slug }}.errors import JobFailed
+
+    lock = OutputLock(str(tmp_path))
+    lock.take(dist_env())
+    try:
+        output_lock.check_held()  # its own lock, freshly beaten: nothing read, nothing raised
+        other = hold(tmp_path, host="node-7", pid=1, job="slurm job 18 step 0")
+        lock.beat_at -= 3 * HEARTBEAT_S  # no beat for three periods: the process was stopped
+        with pytest.raises(JobFailed, match=rf"^output_dir {tmp_path} was taken over by another job \(host node-7, "
+                           r"pid 1, slurm job 18 step 0, .*\) while this one was paused; this job stops"):
+            output_lock.check_held()
+    finally:
+        output_lock.release_held()
+    assert json.loads((tmp_path / ".lock").read_text()) == other
+
+    (tmp_path / "beaten").mkdir()
+    beaten = OutputLock(str(tmp_path / "beaten"))  # its heartbeat finds the other job's lock first
+    monkeypatch.setattr(output_lock, "HEARTBEAT_S", 0.05)
+    beaten.take(dist_env())
+    try:
+        other = hold(tmp_path / "beaten", host="node-7", pid=1)
+        time.sleep(0.5)
+        assert json.loads((tmp_path / "beaten" / ".lock").read_text()) == other and beaten.lost == other
+        with pytest.raises(JobFailed, match="was taken over by another job"):
+            output_lock.check_held()
+    finally:
+        output_lock.release_held()
+    assert json.loads((tmp_path / "beaten" / ".lock").read_text()) == other
 
 
 def test_the_heartbeat_keeps_the_lock_fresh_and_an_unreadable_lock_is_free(tmp_path, alone):

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .distributed import DistEnv, print0
-from .errors import ConfigError
+from .errors import ConfigError, JobFailed
 
 LOCK_FILE = ".lock"
 HEARTBEAT_S, STALE_S = 15.0, 60.0
@@ -26,11 +26,14 @@ def job_identity() -> str:
     """What stays the same when this job restarts and differs between jobs (SLURM job and step,
     torchrun's run id or rendezvous address); "" for a process started alone."""
     if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm job {os.environ['SLURM_JOB_ID']} step {os.environ.get('SLURM_STEP_ID', 'batch')}"
+        cluster = f" on {os.environ['SLURM_CLUSTER_NAME']}" if os.environ.get("SLURM_CLUSTER_NAME") else ""
+        return f"slurm job {os.environ['SLURM_JOB_ID']} step {os.environ.get('SLURM_STEP_ID', 'batch')}{cluster}"
     if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
         return f"torchrun run {os.environ['TORCHELASTIC_RUN_ID']}"
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return f"torchrun at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a loopback address is every host's: the host tells the jobs apart
+        addr = os.environ.get("MASTER_ADDR", "")
+        host = f" on {socket.gethostname()}" if addr in ("", "localhost", "::1") or addr.startswith("127.") else ""
+        return f"torchrun at {addr}:{os.environ.get('MASTER_PORT')}{host}"
     return ""
 
 
@@ -69,6 +72,7 @@ class OutputLock:
         self.mine = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_identity(), "since": time.time(),
                      "started": process_started(os.getpid())}
         self.held, self.stop, self.writing = False, threading.Event(), threading.Lock()
+        self.beat_at, self.lost = time.monotonic(), None  # the last beat; the job that took the folder over
 
     def holder(self) -> dict | None:
         """Who holds the folder now; None where nobody does (or the lock file is unreadable)."""
@@ -82,9 +86,11 @@ class OutputLock:
         takes over (None: free, or this very job before a restart)."""
         return self._judge(self.holder())
 
+    def ours(self, holder: dict | None) -> bool:
+        return (holder or {}).get("host") == self.mine["host"] and (holder or {}).get("pid") == self.mine["pid"]
+
     def _judge(self, holder: dict | None) -> dict | None:
-        ours = (holder or {}).get("host") == self.mine["host"] and (holder or {}).get("pid") == self.mine["pid"]
-        if holder is None or ours or self.mine["job"] and holder.get("job") == self.mine["job"]:
+        if holder is None or self.ours(holder) or self.mine["job"] and holder.get("job") == self.mine["job"]:
             return None
         here = running_here(holder)  # still running? On this host its pid says, elsewhere its heartbeat
         if here or here is None and time.time() - float(holder.get("heartbeat", 0)) <= STALE_S:
@@ -125,8 +131,24 @@ class OutputLock:
     def _beat(self) -> None:
         while not self.stop.wait(HEARTBEAT_S):
             with self.writing, contextlib.suppress(OSError):
+                holder = self.holder()
+                if holder is not None and not self.ours(holder):  # taken over while this job was paused
+                    self.lost = holder
+                    return
                 if not self.stop.is_set():
                     self._write()
+                    self.beat_at = time.monotonic()
+
+    def check_held(self) -> None:
+        """JobFailed where another job took the folder over while this one was paused (as a suspended
+        SLURM job is) past the stale time: read again only when the last beat is older than two beats."""
+        if self.lost is None and time.monotonic() - self.beat_at > 2 * HEARTBEAT_S:
+            holder = self.holder()
+            self.lost = None if holder is None or self.ours(holder) else holder
+        if self.lost is not None:
+            self.held = False  # the lock is the other job's now
+            raise JobFailed(f"output_dir {self.path.parent} was taken over by another job ({describe(self.lost)}) "
+                            "while this one was paused; this job stops and leaves the folder to it")
 
     def release(self) -> None:
         """Remove the lock, if this process still holds it."""
@@ -136,8 +158,14 @@ class OutputLock:
         with self.writing:
             self.stop.set()
             holder = self.holder()
-            if holder and holder.get("pid") == self.mine["pid"] and holder.get("host") == self.mine["host"]:
+            if self.ours(holder):
                 self.path.unlink(missing_ok=True)
+
+
+def check_held() -> None:
+    """Before this process writes a record or a checkpoint: JobFailed where its folder was taken over."""
+    for lock in HELD:
+        lock.check_held()
 
 
 @atexit.register

@@ -17,6 +17,7 @@ from .distributed import print0, sum_and_read
 from .errors import JobFailed
 from .extras import plug
 from .model import save_weights
+from .output_lock import check_held
 from .speed import compiled_graphs, flop_counts, training_flops
 from .startup import Run
 from .tracking import Tracker
@@ -217,6 +218,7 @@ class Session:
     def save_checkpoint(self, step: int, write) -> None:
         """checkpoints/step_<step>, written by `write(folder)` on every process, atomically (a write
         in the background is published once written; the next save, or the end, waits for it)."""
+        check_held()
         self.finish_checkpoint()
         written = write_checkpoint(self.cfg, self.env, checkpoints_dir(self.cfg.output_dir) / f"step_{step}", write,
                                    self.state(step))
@@ -230,6 +232,7 @@ class Session:
 
     def save_final(self, write) -> None:
         """final_model/, written by `write(folder)` on every process, atomically: the run is finished."""
+        check_held()
         self.finish_checkpoint()
         write_final(self.cfg, self.env, write, self.state(self.step))
 

@@ -20,6 +20,7 @@ from .checkpoint import after_a_failed_write
 from .config import TrainConfig
 from .distributed import DistEnv, print0
 from .errors import ConfigError, JobFailed, first_line
+from .output_lock import check_held
 
 TRAIN_KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
               "grad_sync_calls": "train/grad_sync_calls", "mfu": "train/mfu",
@@ -200,6 +201,7 @@ class Tracker:
         if not self.active:
             return
         record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        check_held()
         append_line(self.path, json.dumps(record, allow_nan=False))
         if self.wandb_run is not None:
             self.wandb_run.log(self._wandb_record(record), step=record["step"])
