@@ -221,18 +221,29 @@ def test_another_entry_points_checkpoint_is_one_line(stopped, runs, tmp_path):
 
 
 def damage(folder, how: str) -> str:
-    """Cut the largest file of a checkpoint in half, or remove its smallest; the file, by name."""
+    """Cut the largest file of a checkpoint in half, zero 4 kB in its middle, put the older
+    checkpoint's in its place (the same size), or remove the smallest file; the file, by name."""
     files = sorted((p for p in folder.iterdir() if p.is_file() and p.name != "state.json"),
                    key=lambda p: p.stat().st_size)
     if how == "truncated":
         os.truncate(files[-1], files[-1].stat().st_size // 2)
+        return files[-1].name
+    if how == "zeroed":
+        with files[-1].open("r+b") as f:
+            f.seek(files[-1].stat().st_size // 2)
+            f.write(bytes(4096))
+        return files[-1].name
+    if how == "older":
+        shutil.copyfile(folder.parent / "step_2" / files[-1].name, files[-1])
         return files[-1].name
     files[0].unlink()
     return files[0].name
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how,expected", [("truncated", "bytes, {} were written"), ("missing", "is missing")])
+@pytest.mark.parametrize("how,expected", [("truncated", "bytes, {} were written"), ("missing", "is missing"),
+                                          ("zeroed", "does not hold what was written (checksum)"),
+                                          ("older", "does not hold what was written (checksum)")])
 def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_one_that_loads(stopped, runs, tmp_path, how,
                                                                                   expected):
     out = tmp_path / "copy"

@@ -21,6 +21,7 @@ import torch
 
 from . import extras
 from .config import TrainConfig, keys_where
+from .data_cache import checksums, file_damage
 from .distributed import DistEnv, barrier, print0, ranks_with
 from .errors import ConfigError, JobFailed, disk_full, first_line
 
@@ -82,13 +83,10 @@ def read_state(path: Path) -> dict:
 
 
 def _damage(path: Path, state: dict) -> str:
-    """What is wrong with checkpoint `path`, or ""."""
-    for name, size in state.get("files", {}).items():
-        file = path / name
-        if not file.is_file():
-            return f"{file} is missing"
-        if file.stat().st_size != size:
-            return f"{file} has {file.stat().st_size} bytes, {size} were written"
+    """What is wrong with checkpoint `path`, or "" (a checkpoint of an older version recorded sizes only)."""
+    for name, expected in state.get("files", {}).items():
+        if problem := file_damage(path / name, expected if isinstance(expected, dict) else {"size": expected}):
+            return f"{path / name} {problem}"
     problems = (f"{file} {problem}" for file in sorted(p for p in path.rglob("*") if p.is_file())
                 if (problem := check_file(file)))
     return next(problems, "")
@@ -310,8 +308,7 @@ def mark_complete(cfg: TrainConfig, written: Path, final: Path, state: dict) -> 
     """On one process: record `state` and the size of every file of `written` in its state.json,
     rename it to `final` and, for checkpoints, keep the newest save_total_limit."""
     (written / "training_args.bin").unlink(missing_ok=True)  # the Trainer's pickle; nothing reads it
-    files = {p.relative_to(written).as_posix(): p.stat().st_size for p in sorted(written.rglob("*")) if p.is_file()}
-    (written / STATE_FILE).write_text(json.dumps({**state, "files": files}, indent=2))
+    (written / STATE_FILE).write_text(json.dumps({**state, "files": checksums(written, sampled=True)}, indent=2))
     shutil.rmtree(final, ignore_errors=True)
     written.rename(final)
     if final.parent == checkpoints_dir(cfg.output_dir):

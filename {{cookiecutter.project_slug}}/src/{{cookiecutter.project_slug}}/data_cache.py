@@ -80,34 +80,48 @@ def _blocks(path: Path, wanted=None) -> list[int]:
         return found
 
 
-def checksums(folder: Path) -> dict:
-    """Size and piecewise crc32 of every file under `folder`, written beside the prepared data."""
-    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": _blocks(p)}
+def _wanted(size: int) -> list[int]:
+    """The pieces a check reads: every one of a file of up to CHECKED_BLOCKS, else that many spread
+    over it, the first and last among them."""
+    count = -(-size // BLOCK)
+    return list(range(count)) if count <= CHECKED_BLOCKS else sorted(
+        {round(i * (count - 1) / (CHECKED_BLOCKS - 1)) for i in range(CHECKED_BLOCKS)})
+
+
+def checksums(folder: Path, sampled: bool = False) -> dict:
+    """Size and piecewise crc32 of every file under `folder`: of every piece, or (`sampled`: a
+    checkpoint, read back once) of the pieces a check reads."""
+    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size,
+                                               "crc32": _blocks(p, _wanted(p.stat().st_size) if sampled else None)}
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != META_FILE}
 
 
+def file_damage(path: Path, expected: dict) -> str:
+    """What is wrong with a file that `checksums` recorded as `expected`, or "": missing, resized,
+    or a piece whose checksum changed."""
+    if not path.is_file():
+        return "is missing"
+    if path.stat().st_size != expected["size"]:
+        return f"has {path.stat().st_size} bytes, {expected['size']} were written"
+    wanted, recorded = _wanted(expected["size"]), expected.get("crc32")
+    if recorded is not None and len(recorded) != len(wanted):  # every piece recorded
+        recorded = [recorded[i] for i in wanted]
+    if recorded is not None and _blocks(path, wanted) != recorded:
+        return "does not hold what was written (checksum)"
+    return ""
+
+
 def damage(folder: Path) -> str | None:
-    """None where nothing is prepared in `folder`, "" where it is whole, else what is wrong with
-    it: a missing or resized file, a piece whose checksum changed (every piece of a file of up to
-    CHECKED_BLOCKS, else that many spread over it, the first and last among them)."""
+    """None where nothing is prepared in `folder`, "" where it is whole, else what is wrong with it
+    (the first damaged file, file_damage)."""
     if not folder.is_dir():
         return None
     try:
         files = json.loads((folder / META_FILE).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"{META_FILE} is unreadable ({type(err).__name__})"
-    for name, expected in files.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != expected["size"]:
-            return f"{name} has {path.stat().st_size} bytes, {expected['size']} were written"
-        count = len(expected["crc32"])
-        wanted = range(count) if count <= CHECKED_BLOCKS else sorted(
-            {round(i * (count - 1) / (CHECKED_BLOCKS - 1)) for i in range(CHECKED_BLOCKS)})
-        if _blocks(path, wanted) != [expected["crc32"][i] for i in wanted]:
-            return f"{name} does not hold what was written (checksum)"
-    return ""
+    return next((f"{name} {problem}" for name, expected in files.items()
+                 if (problem := file_damage(folder / name, expected))), "")
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
