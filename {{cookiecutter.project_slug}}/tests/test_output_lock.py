@@ -20,7 +20,10 @@ from conftest import (
     LONG,
     ROOT,
     background_run,
+    c10d_launch_cmd,
+    error_lines,
     flag_args,
+    free_port,
     launch_cmd,
     one_error_line,
     signal_process_tree,
@@ -212,3 +215,28 @@ def test_a_second_job_is_refused_and_a_killed_jobs_lock_is_taken_over(env, tmp_p
     assert f"note: output_dir {out} was held by a job that is gone (host {socket.gethostname()}, pid " \
            f"{holder['pid']}" in third.stdout
     assert not (out / ".lock").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0,
+                    reason="no mount namespace here (unshare -m) to give one node its own output_dir")
+def test_an_output_dir_the_nodes_do_not_share_is_one_line_on_each(env, tmp_path):
+    """Two nodes (two torchrun agents), the second seeing its own folder at output_dir (a bind mount
+    in a mount namespace, as a node-local disk): each process stops at the start with one line."""
+    out, local = tmp_path / "out", tmp_path / "node_local"
+    out.mkdir(), local.mkdir()
+    port = free_port()
+    agents = []
+    for node_rank in (0, 1):
+        cmd = [*c10d_launch_cmd(ENTRIES[0], 2, 1, port, "--node_rank", str(node_rank), "--rdzv_id", "local"),
+               "--max_steps", "2", "--output_dir", str(out)]
+        if node_rank:
+            cmd = ["unshare", "-m", "sh", "-c", f'mount --bind {local} {out} && exec "$@"', "sh", *cmd]
+        agents.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                       text=True))
+    logs = [agent.communicate(timeout=LAUNCH_TIMEOUT_S)[1] for agent in agents]
+    for log in logs:
+        assert error_lines(log) == [f"error: output_dir {out} is not shared between the nodes of this job: 1 of 2 "
+                                    "processes do not see rank 0's files in it; use a folder on a file system "
+                                    "every node mounts"], log[-3000:]
+    assert not list(out.glob(".shared_*")) and not list(local.iterdir())

@@ -2,19 +2,23 @@
 identity, start time, heartbeat). A second job is refused with one line naming the holder; the
 same job restarted (a SLURM requeue, a torchrun restart) takes over at once, and so does any job
 once the holder is gone (same host: its pid; another host: a heartbeat older than a minute).
+A job of several nodes checks that they all see the folder.
 """
 
 import atexit
 import contextlib
 import json
 import os
+import secrets
 import socket
 import threading
 import time
 from datetime import datetime
 from pathlib import Path
 
-from .distributed import DistEnv, print0
+import torch
+
+from .distributed import DistEnv, all_reduce_sum, print0, ranks_with
 from .errors import ConfigError, JobFailed
 
 LOCK_FILE = ".lock"
@@ -160,6 +164,28 @@ class OutputLock:
             holder = self.holder()
             if self.ours(holder):
                 self.path.unlink(missing_ok=True)
+
+
+def check_shared(output_dir: str, env: DistEnv, wait_s: float = 10.0) -> None:
+    """A job of several nodes writes one run folder from all of them: rank 0 puts a file in output_dir
+    and every rank looks for it (listing the folder, which a network file system revalidates, for up
+    to `wait_s`); a rank that never sees it is one line on every rank (ConfigError)."""
+    if env.num_nodes < 2:
+        return
+    token = torch.tensor(secrets.randbits(62) if env.is_main_process else 0, device=env.device)
+    if env.is_main_process:
+        (Path(output_dir) / f".shared_{int(token)}").touch()
+    mark = Path(output_dir) / f".shared_{int(all_reduce_sum(token).item())}"  # every rank gets here after the touch
+    deadline = time.monotonic() + wait_s
+    while mark.name not in os.listdir(output_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    unseen = ranks_with(mark.name not in os.listdir(output_dir), env.device)
+    if env.is_main_process:
+        mark.unlink(missing_ok=True)
+    if unseen:
+        raise ConfigError(f"output_dir {output_dir} is not shared between the nodes of this job: {unseen} of "
+                          f"{env.world_size} processes do not see rank 0's files in it; use a folder on a file "
+                          "system every node mounts")
 
 
 def check_held() -> None:

@@ -28,7 +28,7 @@ from .extras import plug
 from .launch import Launch, check_back_end, check_launcher_env, deepspeed_config, launch_of
 from .model import load_tokenizer, model_config
 from .optim import total_steps
-from .output_lock import OutputLock
+from .output_lock import OutputLock, check_shared
 from .prepare import prepare
 from .speed import matmul_precision, numel, peak_flops, set_tf32
 from .tracking import check_wandb
@@ -87,9 +87,11 @@ class Run:
                + f"\nspeed: {', '.join(levers)}" + "\n" + sampler.plan.table(cfg.max_seq_len))
 
     def init_distributed(self) -> None:
-        """Join the process group (once; one process joins none, unless it runs DeepSpeed)."""
+        """Join the process group (once; one process joins none, unless it runs DeepSpeed); the nodes
+        must share output_dir."""
         init_distributed(self.env, self.cfg.rendezvous_timeout_s, self.cfg.collective_timeout_s,
                          alone_too=self.launch.backend == "deepspeed")
+        check_shared(self.cfg.output_dir, self.env)
 
     def state(self, step: int, micro_batch_size: int) -> dict:
         """What a checkpoint (or the finished model) records besides its files: a later job checks
