@@ -110,4 +110,9 @@ torchrun_args() {
   if [[ -n "$conf" ]]; then
     TORCHRUN_ARGS+=(--rdzv_conf "$conf")
   fi
+  if [[ "$NNODES" == *:* ]]; then
+    # A node that joins a running job waits for an address the shared store never gets (torch 2.13's
+    # dynamic rendezvous): each round publishes its own, the processes' address being the first node's name.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+  fi
 }

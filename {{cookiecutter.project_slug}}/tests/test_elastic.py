@@ -4,6 +4,7 @@ other one, which restarts from the newest complete checkpoint with twice the acc
 ends as a straight 2-process run; losing the node that holds the rendezvous ends the job in one
 line, and a new start resumes."""
 
+import os
 import re
 import signal
 import subprocess
@@ -17,7 +18,10 @@ from conftest import (
     ENTRIES,
     LAUNCH_TIMEOUT_S,
     ROOT,
+    SLUG,
+    TOL,
     Run,
+    children_of,
     error_lines,
     flag_args,
     free_port,
@@ -52,7 +56,7 @@ class Nodes:
     """Two nodes of an elastic job, NNODES=1:2 scripts/train_local.sh each: the first one started
     holds the rendezvous (torchrun's guess: both are 127.0.0.1; the second finds the port taken)."""
 
-    def __init__(self, env: dict, out: Path, tmp_path: Path):
+    def __init__(self, env: dict, out: Path, tmp_path: Path, join_after: int | None):
         self.port, self.out, self.tmp = free_port(), out, tmp_path
         self.env = {**env, "PYTHON": sys.executable, "NNODES": "1:2", "NPROC_PER_NODE": "1",
                     "MASTER_PORT": str(self.port), "RUN_ID": "elastic", "RDZV_CONF": RDZV_CONF}
@@ -61,7 +65,17 @@ class Nodes:
         while not listening(self.port):
             assert self.host.poll() is None and time.monotonic() < deadline, self.logs("host")
             time.sleep(0.05)
+        if join_after is not None:  # the host first trains alone, up to checkpoint step `join_after`
+            self.wait_for_checkpoint(join_after)
+            worker = self.host_worker()
+            os.kill(worker, signal.SIGSTOP)  # paused until the join asked it to stop: the join comes before the end
         self.guest = self.start("guest")
+        if join_after is not None:
+            while not int(re.search(r"ShdPnd:\s*(\w+)", Path(f"/proc/{worker}/status").read_text())[1], 16) & (
+                    1 << signal.SIGTERM - 1):  # the host's torchrun has seen the guest and sent its SIGTERM
+                assert self.guest.poll() is None and time.monotonic() < deadline, self.logs("guest")
+                time.sleep(0.05)
+            os.kill(worker, signal.SIGCONT)
 
     def start(self, name: str) -> subprocess.Popen:
         return subprocess.Popen(["scripts/train_local.sh", *flag_args(FLAGS), "--output_dir", str(self.out)],
@@ -71,13 +85,27 @@ class Nodes:
     def logs(self, name: str) -> str:
         return (self.tmp / f"{name}.stdout").read_text() + (self.tmp / f"{name}.stderr").read_text()
 
+    def host_worker(self) -> int:
+        """The host's training process (under its torchrun)."""
+        tree, todo = children_of(), [self.host.pid]
+        while todo:
+            pid = todo.pop()
+            todo += tree.get(pid, [])
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            if f"{SLUG}.train_{ENTRIES[0]}" in command and f"{SLUG}.torchrun" not in command:
+                return pid
+        raise AssertionError(self.logs("host"))
+
+    def wait_for_checkpoint(self, step: int) -> None:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while not (self.out / "checkpoints" / f"step_{step}" / "state.json").is_file():
+            assert self.host.poll() is None and time.monotonic() < deadline, self.logs("host")
+            time.sleep(0.02)
+
     def lose(self, node: subprocess.Popen) -> list[int]:
         """Once checkpoints/step_4 is complete, SIGKILL `node`: its torchrun and its worker (in a
         session of its own, which a lost machine takes with it). The complete checkpoints then."""
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while not (self.out / "checkpoints" / "step_4" / "state.json").is_file():
-            assert self.host.poll() is None and time.monotonic() < deadline, self.logs("host")
-            time.sleep(0.02)
+        self.wait_for_checkpoint(4)
         signal_process_tree(node.pid, signal.SIGKILL)
         return sorted(int(p.parent.name[5:]) for p in (self.out / "checkpoints").glob("step_*/state.json"))
 
@@ -91,8 +119,8 @@ class Nodes:
 def nodes(env, tmp_path):
     started = []
 
-    def start(out: Path) -> Nodes:
-        started.append(Nodes(env, out, tmp_path))
+    def start(out: Path, join_after: int | None = None) -> Nodes:
+        started.append(Nodes(env, out, tmp_path, join_after))
         return started[-1]
 
     yield start
@@ -120,6 +148,29 @@ def test_a_lost_node_leaves_the_job_on_the_other_with_twice_the_accumulation(run
     report(f"elastic 1:2, the node without the rendezvous lost after step_{complete[-1]}: the other resumed from "
            f"step_{resumed_from} at world size 1 (accumulation 2 -> 4) and finished {seconds:.1f} s after the loss; "
            f"max |param diff| vs a straight 2-process run {diff:.3g}")
+
+
+@pytest.mark.slow
+def test_a_node_that_joins_restarts_the_job_at_the_new_size(runs, nodes, tmp_path):
+    """A second node joins a job that runs alone: torchrun stops the processes (they checkpoint on its
+    SIGTERM), both nodes meet again, and the job goes on at world size 2 with half the accumulation,
+    ending as a straight 2-process run."""
+    straight = runs(ENTRIES[0], 2, **FLAGS)
+    job = nodes(tmp_path / "out", join_after=4)
+    joined_at = time.monotonic()
+    assert [node.wait(timeout=LAUNCH_TIMEOUT_S) for node in (job.host, job.guest)] == [0, 0], job.logs("host")[-3000:]
+    seconds = time.monotonic() - joined_at
+    resumed_from = int(re.search(r"resuming after step (\d+)", job.logs("host"))[1])
+    records = last_records(Run(0, "", "", job.out))
+    assert [r["step"] for r in records] == list(range(1, 25))
+    shapes = [(r["world_size"], r["grad_accum_steps"], r["global_batch_size"]) for r in records]
+    assert shapes == [(1, 4, 8)] * resumed_from + [(2, 2, 8)] * (24 - resumed_from) and resumed_from >= 4, shapes
+    assert not error_lines((tmp_path / "host.stderr").read_text() + (tmp_path / "guest.stderr").read_text())
+    diff = max_abs_diff(Run(0, "", "", job.out).params(), straight.params())
+    assert diff <= TOL.param, diff  # its first steps ran on one process: the parity bound of 1 against 2 processes
+    report(f"elastic 1:2, a node joined after step_4: the job resumed from step_{resumed_from} at world size 2 "
+           f"(accumulation 4 -> 2) and finished {seconds:.1f} s after the join; max |param diff| vs a straight "
+           f"2-process run {diff:.3g}")
 
 
 @pytest.mark.slow
