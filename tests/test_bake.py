@@ -43,7 +43,7 @@ EXTRA_EXPECTED = {
         "__main__", "abab", "checkpointing", "communication", "data", "harness", "library_loops", "loss_curves",
         "memory", "overhead", "startup"))},
 }
-CORE_MODULES = ("__init__", "batch", "checkpoint", "cli", "config", "data", "data_cache", "distributed", "errors",
+CORE_MODULES = ("__init__", "checkpoint", "cli", "config", "data", "data_cache", "distributed", "errors",
                 "evaluation", "extras", "launch", "model", "optim", "output_lock", "prepare",
                 "session", "sources", "speed", "startup", "torchrun", "tracking", "windows")
 

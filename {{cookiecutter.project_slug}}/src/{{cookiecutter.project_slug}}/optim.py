@@ -8,10 +8,10 @@ import torch
 from transformers import get_scheduler
 from transformers.optimization import Adafactor
 
-from .batch import BatchPlan
 from .config import TrainConfig
 from .distributed import full_norm
 from .extras import plug
+from .windows import BatchPlan
 
 lr_batch_factor = plug("batch_schedule", "batch_schedule:lr_batch_factor", default=lambda cfg, plan: None)
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}

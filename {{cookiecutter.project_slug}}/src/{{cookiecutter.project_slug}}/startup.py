@@ -9,7 +9,6 @@ from pathlib import Path
 
 import transformers
 
-from .batch import BatchPlan, plan_batches
 from .checkpoint import (
     check_same_data,
     check_same_entry,
@@ -32,7 +31,7 @@ from .output_lock import OutputLock
 from .prepare import prepare
 from .speed import matmul_precision, numel, peak_flops, set_tf32
 from .tracking import check_wandb
-from .windows import WindowSampler
+from .windows import BatchPlan, WindowSampler, plan_batches
 
 # global_batch_size_schedule (batch_schedule): a plan and sampler that follow it; micro_batch_size auto (auto_batch)
 schedule_of = plug("batch_schedule", "batch_schedule:schedule_of",

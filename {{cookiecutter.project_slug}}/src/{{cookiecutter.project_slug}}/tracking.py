@@ -15,11 +15,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .batch import BatchPlan
 from .checkpoint import after_a_failed_write
 from .config import TrainConfig
 from .distributed import DistEnv, print0
 from .errors import ConfigError, JobFailed, first_line
+from .windows import BatchPlan
 
 TRAIN_KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
               "grad_sync_calls": "train/grad_sync_calls", "mfu": "train/mfu",
