@@ -1,6 +1,5 @@
-"""Start-up: everything decided once, before the first optimizer step, as one frozen `Run`. `start()`
-makes every up-front check a user's mistake can fail (errors.ConfigError), then reads the resume
-point, the data, the tokenizer and the batch plan. The loop's running state is session.py's.
+"""Start-up: everything decided once, before the first optimizer step, as one frozen `Run`: `start()` makes every
+up-front check a user's mistake can fail, then reads the resume point, the data, the tokenizer and the batch plan.
 """
 
 import os
@@ -44,8 +43,7 @@ auto_plan = plug("auto_batch", "memory:auto_plan")
 
 @dataclass(frozen=True)
 class Run:
-    """What this job is, fixed from start-up to the end (but the micro batch, which auto_batch's
-    out-of-memory retry may lower: session.py holds the current plan)."""
+    """What this job is, fixed from start-up to the end (but the micro batch: session.py holds the current plan)."""
 
     cfg: TrainConfig
     env: DistEnv
@@ -91,8 +89,7 @@ class Run:
                          alone_too=self.launch.backend == "deepspeed")
 
     def state(self, step: int, micro_batch_size: int) -> dict:
-        """What a checkpoint (or the finished model) records besides its files: a later job checks
-        it before it continues."""
+        """What a checkpoint (or the final model) records besides its files, for a later job to check."""
         return {"step": step, "world_size": self.env.world_size, "entry": self.launch.entry,
                 "backend": self.launch.backend, "total_steps": self.total_steps,
                 "num_train_examples": len(self.data["train"]), "data_fingerprint": self.data_fingerprint,

@@ -48,8 +48,7 @@ def plan_batches(global_batch_size: int, micro_batch_size: int, world_size: int,
 
 @dataclass(frozen=True)
 class Window:
-    """One optimizer step's facts, derived once: the loops, the record and the evaluation read
-    them here."""
+    """One optimizer step's facts, derived once: the loops, the record and the evaluation read them here."""
 
     step: int  # the optimizer step this window completes (1-based)
     micro_batches: list[dict]  # this rank's (empty where the Trainer draws them itself)
@@ -92,7 +91,6 @@ class WindowSampler(Sampler):
 
     @property
     def steps_per_epoch(self) -> int:
-        """Optimizer steps of the current epoch."""
         return self.steps_in(self.epoch)
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
