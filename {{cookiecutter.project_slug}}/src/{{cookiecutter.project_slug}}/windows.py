@@ -1,7 +1,6 @@
-"""Batch maths and accumulation windows: global_batch_size = micro_batch_size x grad_accum_steps x
-world_size, grad_accum_steps derived from the real world size at start-up (BatchPlan; only the number of
-micro-steps changes between 1 CPU process and 4 nodes); the examples each optimizer step takes on this
-rank (WindowSampler) and a step's facts as one value (Window). docs/data.md gives the data order.
+"""Batch maths and accumulation windows: global_batch_size = micro_batch_size x grad_accum_steps x world_size,
+grad_accum_steps derived from the real world size at start-up (BatchPlan); the examples each optimizer step takes
+on this rank (WindowSampler) and a step's facts as one value (Window). docs/data.md gives the data order.
 """
 
 import math
