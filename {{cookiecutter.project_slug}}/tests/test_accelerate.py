@@ -52,9 +52,9 @@ def test_deepspeed_accumulates_gradients_in_fp32(path, monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from {{ cookiecutter.project_slug }}.batch import plan_batches
     from {{ cookiecutter.project_slug }}.config import load_config
     from {{ cookiecutter.project_slug }}.launch import deepspeed_config
+    from {{ cookiecutter.project_slug }}.windows import plan_batches
 
     cfg = load_config(["--config", str(ROOT / "configs" / "train.yaml"), "--mixed_precision", "bf16"])
     filled = deepspeed_config(cfg, plan_batches(16, 2, 1), str(path))

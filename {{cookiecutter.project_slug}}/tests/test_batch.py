@@ -4,10 +4,9 @@ batch changes at given steps, the batch_schedule extra's: tests/test_batch_sched
 
 import pytest
 
-from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.optim import total_steps
-from {{ cookiecutter.project_slug }}.windows import WindowSampler
+from {{ cookiecutter.project_slug }}.windows import WindowSampler, plan_batches
 
 from conftest import ROOT, assert_one_stream
 

@@ -9,13 +9,12 @@ import textwrap
 import pytest
 import torch
 
-from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.batch_schedule import ScheduledSampler, parse_schedule, schedule_of, scheduled
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.launch import launch_of
 from {{ cookiecutter.project_slug }}.optim import build_scheduler, total_steps
 from {{ cookiecutter.project_slug }}.tracking import Progress
-from {{ cookiecutter.project_slug }}.windows import WindowSampler
+from {{ cookiecutter.project_slug }}.windows import WindowSampler, plan_batches
 
 from conftest import (
     ENTRIES,

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.config import ConfigError, TrainConfig, load_config, render_yaml
 from {{ cookiecutter.project_slug }}.tracking import check_wandb
+from {{ cookiecutter.project_slug }}.windows import plan_batches
 
 from conftest import ROOT
 

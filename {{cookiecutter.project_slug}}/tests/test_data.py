@@ -23,14 +23,13 @@ from {{ cookiecutter.project_slug }} import data as data_module
 from {{ cookiecutter.project_slug }} import data_cache as data_cache_module
 from {{ cookiecutter.project_slug }} import prepare as prepare_module
 from {{ cookiecutter.project_slug }} import sources as sources_module
-from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.data import IGNORE_INDEX, TARGETS, Collator, eval_dataloader
 from {{ cookiecutter.project_slug }}.data_cache import STALE_S, cache_folder
 from {{ cookiecutter.project_slug }}.model import build_model, count_targets, load_tokenizer, model_config, summed_loss
 from {{ cookiecutter.project_slug }}.prepare import pack, prepare
 from {{ cookiecutter.project_slug }}.sources import check_source, find_source, read_raw
-from {{ cookiecutter.project_slug }}.windows import WindowSampler
+from {{ cookiecutter.project_slug }}.windows import WindowSampler, plan_batches
 
 from conftest import (
     DATA_CACHE,

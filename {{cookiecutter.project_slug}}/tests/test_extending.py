@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_model
 
-from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
 from {{ cookiecutter.project_slug }}.optim import build_scheduler
+from {{ cookiecutter.project_slug }}.windows import plan_batches
 
 from conftest import ENTRIES, ROOT, SLUG, TOL, max_abs_diff, offline_env, one_error_line, run_entry
 

@@ -260,11 +260,10 @@ def test_metrics_jsonl_and_final_model(runs, entry):
 
 @pytest.mark.slow
 def test_each_step_consumes_its_window_of_the_epoch_permutation(runs):
-    from {{ cookiecutter.project_slug }}.batch import plan_batches
     from {{ cookiecutter.project_slug }}.config import load_config
     from {{ cookiecutter.project_slug }}.model import load_tokenizer
     from {{ cookiecutter.project_slug }}.prepare import prepare
-    from {{ cookiecutter.project_slug }}.windows import WindowSampler
+    from {{ cookiecutter.project_slug }}.windows import WindowSampler, plan_batches
 
     run = runs(ENTRIES[0], 2, **ACCUM, **({} if TASK == "causal_lm" else {"task": "causal_lm"}))
     cfg = load_config(["--config", str(ROOT / "configs" / "train.yaml"), "--max_seq_len", "48",

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from {{ cookiecutter.project_slug }}.batch import plan_batches
 from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
 from {{ cookiecutter.project_slug }}.prepare import prepare
@@ -23,7 +22,7 @@ from {{ cookiecutter.project_slug }}.speed import (
     peak_tflops_for,
     training_flops,
 )
-from {{ cookiecutter.project_slug }}.windows import WindowSampler
+from {{ cookiecutter.project_slug }}.windows import WindowSampler, plan_batches
 
 from conftest import (
     ACCUM,

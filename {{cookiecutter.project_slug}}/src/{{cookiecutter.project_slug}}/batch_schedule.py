@@ -11,10 +11,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
-from .batch import BatchPlan
 from .errors import ConfigError
 from .extras import key
-from .windows import Window, WindowSampler
+from .windows import BatchPlan, Window, WindowSampler
 
 
 @dataclass

@@ -1,7 +1,6 @@
-"""Checkpoints and finished runs: `checkpoints/step_<N>/` and `final_model/`, written into a
-temporary folder and renamed once every process is done, with a `state.json` (step, entry, config,
-versions, file sizes). A resume checks config and files up front without loading them (the
-safe_checkpoints extra reads their pickles too). docs/guarantees.md tells the story.
+"""Checkpoints and finished runs: `checkpoints/step_<N>/` and `final_model/`, written into a temporary folder
+and renamed once every process is done, with a `state.json` (step, entry, config, versions, file sizes). A
+resume checks config and files up front without loading them. docs/guarantees.md tells the story.
 """
 
 import contextlib
@@ -93,8 +92,7 @@ def _damage(path: Path, state: dict) -> str:
 
 
 def verify_checkpoint(path: Path) -> dict:
-    """state.json of a checkpoint that loads; a damaged one is one line naming the file and the
-    newest older checkpoint that would load instead."""
+    """state.json of a checkpoint that loads; a damaged one is one line naming the file and an older one that loads."""
     state = read_state(path)
     if problem := _damage(path, state):
         raise ConfigError(f"checkpoint {path} cannot be loaded: {problem}; {older_that_loads(path)}")
@@ -247,9 +245,8 @@ def _attempt(env: DistEnv, output_dir: str, what: str, action: Callable[[], None
 
 def write_atomically(cfg: TrainConfig, env: DistEnv, final: Path, write: Callable[[Path], object],
                      state: dict, finish: Callable | None = None):
-    """Run `write(folder)` on every process into a temporary folder, then `finish` (publish, or an
-    extra's background write) makes it `final` with `state`. A failed write stops every process with
-    one line; `final` is untouched, the partial folder removed."""
+    """`write(folder)` on every process into a temporary folder that `finish` (publish, or an extra's background
+    write) makes `final`. A failed write stops every process with one line; `final` is untouched."""
     tmp = final.with_name(f".tmp_{final.name}")
 
     def make_tmp() -> None:
@@ -296,8 +293,7 @@ def room_elsewhere(output_dir: str) -> Path | None:
 
 
 def publish(cfg: TrainConfig, env: DistEnv, written: Path, final: Path, state: dict) -> Path:
-    """Once every process has finished writing `written`: mark it complete (rank 0); every process
-    then goes on."""
+    """Once every process has written `written`, rank 0 marks it complete; then every process goes on."""
     barrier()
     _attempt(env, cfg.output_dir, final.name, lambda: env.is_main_process and mark_complete(cfg, written, final, state))
     barrier()

@@ -38,8 +38,7 @@ def whole_or_auto(value) -> int | str:
 
 @dataclass
 class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after the core's, in EXTRAS' order
-    """Everything one training run needs. Each field is a YAML key and a `--flag`; the baked
-    extras add theirs (extras.py)."""
+    """Everything one training run needs: each field is a YAML key and a `--flag`; the baked extras add theirs."""
 
     task: Literal["causal_lm", "sequence_classification"] = key(
         "causal_lm (next-token prediction) or sequence_classification.", "{{ cookiecutter.task }}",

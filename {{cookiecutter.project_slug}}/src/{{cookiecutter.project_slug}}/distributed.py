@@ -1,6 +1,5 @@
-"""Process-group set-up shared by the entry points, the collectives they use, and `print0`.
-Rank, world size and device come from the launcher's environment before any process group exists,
-so a wrong launch is an up-front check (errors.ConfigError).
+"""The process group of the entry points, the collectives they use, and `print0`. Rank, world size and device
+come from the launcher's environment, checked before any group exists (a wrong launch is a ConfigError).
 """
 
 import gc
@@ -147,10 +146,9 @@ def lost_contact(err: BaseException) -> bool:
 
 
 class PreemptionSignal:
-    """SIGUSR1 (SLURM's warning before the time limit) or SIGTERM (an eviction, a preemption) asks the
-    job to stop at the next optimizer-step boundary with a checkpoint; the ranks agree on it in the
-    step's one all-reduce (Session.read_step). SIGTERM exits 143 so that a Job restarts it, SIGUSR1 0.
-    docs/launching.md tells the story."""
+    """SIGUSR1 (SLURM's warning before the time limit) or SIGTERM (an eviction, a preemption) asks the job to
+    stop at the next optimizer-step boundary with a checkpoint; the ranks agree on it in the step's one all-reduce
+    (Session.read_step). SIGTERM exits 143 so that a Job restarts it, SIGUSR1 0. docs/launching.md tells the story."""
 
     def __init__(self) -> None:
         self.received = False  # SIGUSR1 or SIGTERM
@@ -163,7 +161,6 @@ class PreemptionSignal:
         self.terminated |= signum == signal.SIGTERM
 
     def exit_code(self) -> int:
-        """128 + SIGTERM if this process got it, else 0."""
         return 128 + signal.SIGTERM if self.terminated else 0
 
 
@@ -173,8 +170,7 @@ def ranks_with(flag: bool, device: torch.device) -> int:
 
 
 def full_norm(norm: torch.Tensor) -> torch.Tensor:
-    """A gradient norm as a plain tensor: under FSDP2 it is a sharded DTensor, whose full tensor is
-    the whole model's norm."""
+    """A gradient norm as a plain tensor (under FSDP2 a sharded DTensor, whose full tensor is the whole norm)."""
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
@@ -212,8 +208,7 @@ def print0(text: str) -> None:
 
 
 def wrap_ddp(model: torch.nn.Module, env: DistEnv, bucket_cap_mb: float) -> DDP:
-    """`model` in DDP without a buffer broadcast in every forward (a collective per micro-step for
-    the rotary embedding's constant inv_freq)."""
+    """`model` in DDP without a buffer broadcast in every forward (a collective per micro-step for rotary inv_freq)."""
     return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                bucket_cap_mb=bucket_cap_mb, **NO_BUFFER_SYNC)
 

@@ -24,13 +24,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from .batch import plan_batches
 from .cli import run_cli
 from .config import TrainConfig
 from .distributed import DistEnv, dist_env, init_distributed, print0
 from .errors import JobFailed
 from .launch import check_sharding, launch_of
 from .startup import schedule_of
+from .windows import plan_batches
 
 LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed")
 # What must be the same on every rank, in the table's order; host, device and free memory may differ.

@@ -11,19 +11,6 @@ from .distributed import all_reduce_sum
 from .model import count_targets, summed_loss
 
 
-def classification_metrics(confusion: np.ndarray) -> dict[str, float]:
-    """Accuracy and F1 from a confusion matrix (rows: truth, columns: prediction); F1 is that of class 1
-    for two classes (the usual binary F1), else the macro average."""
-    confusion = np.asarray(confusion, dtype=np.float64)
-    tp = np.diag(confusion)
-    precision = np.divide(tp, confusion.sum(0), out=np.zeros_like(tp), where=confusion.sum(0) > 0)
-    recall = np.divide(tp, confusion.sum(1), out=np.zeros_like(tp), where=confusion.sum(1) > 0)
-    denom = precision + recall
-    f1 = np.divide(2 * precision * recall, denom, out=np.zeros_like(tp), where=denom > 0)
-    return {"eval_accuracy": float(tp.sum() / max(confusion.sum(), 1.0)),
-            "eval_f1": float(f1[1] if len(f1) == 2 else f1.mean())}
-
-
 def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_labels: int) -> np.ndarray:
     keep = labels >= 0
     index = labels[keep] * num_labels + preds[keep]
@@ -31,15 +18,21 @@ def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_labels: int) -> 
 
 
 def eval_metrics(loss_sum: float, targets: float, confusion: np.ndarray | None) -> dict[str, float]:
-    """THE evaluation metrics of every entry point (the Trainer's compute_metrics calls it too), from
-    sums over the whole validation set: the summed loss, the real targets and, for classification,
-    the confusion matrix (None for causal_lm). A metric added here is in every eval record."""
+    """THE evaluation metrics of every entry point (the Trainer's compute_metrics calls it too), from sums over the
+    whole validation set: the summed loss, the real targets and, for classification, the confusion matrix (rows:
+    truth, columns: prediction; None for causal_lm). A metric added here is in every eval record."""
     loss = loss_sum / max(targets, 1.0)
     metrics = {"eval_loss": loss}
     if confusion is None:
         metrics["eval_perplexity"] = math.exp(min(loss, 50.0))
-    else:
-        metrics.update(classification_metrics(confusion))
+    else:  # F1 is that of class 1 for two classes (the usual binary F1), else the macro average
+        confusion = np.asarray(confusion, dtype=np.float64)
+        tp = np.diag(confusion)
+        precision = np.divide(tp, confusion.sum(0), out=np.zeros_like(tp), where=confusion.sum(0) > 0)
+        recall = np.divide(tp, confusion.sum(1), out=np.zeros_like(tp), where=confusion.sum(1) > 0)
+        f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(tp), where=precision + recall > 0)
+        metrics["eval_accuracy"] = float(tp.sum() / max(confusion.sum(), 1.0))
+        metrics["eval_f1"] = float(f1[1] if len(f1) == 2 else f1.mean())
     return metrics
 
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import extras
-from .batch import BatchPlan
 from .config import TrainConfig
 from .distributed import DistEnv
 from .errors import ConfigError
+from .windows import BatchPlan
 
 check_sharding = extras.plug("fsdp", "fsdp:check_launch", default=lambda cfg, env, entry: None)
 

@@ -19,7 +19,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .batch import BatchPlan, plan_batches
 from .checkpoint import rng_state, set_rng_state
 from .config import TrainConfig
 from .data import IGNORE_INDEX
@@ -27,7 +26,7 @@ from .distributed import DistEnv, init_distributed, ranks_with
 from .errors import ConfigError, JobFailed, first_line
 from .model import autocast_for, build_model, summed_loss
 from .optim import build_optimizer
-from .windows import Window, windows_from
+from .windows import BatchPlan, Window, plan_batches, windows_from
 
 MIB = 2**20
 AUTO_CEILING = "auto_micro_batch_size"  # in output_dir: the micro batch a restart of an auto run starts from

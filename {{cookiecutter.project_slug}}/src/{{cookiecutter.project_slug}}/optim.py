@@ -8,10 +8,10 @@ import torch
 from transformers import get_scheduler
 from transformers.optimization import Adafactor
 
-from .batch import BatchPlan
 from .config import TrainConfig
 from .distributed import full_norm
 from .extras import plug
+from .windows import BatchPlan
 
 lr_batch_factor = plug("batch_schedule", "batch_schedule:lr_batch_factor", default=lambda cfg, plan: None)
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
@@ -38,9 +38,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
 
 
 def clip_gradients(model: torch.nn.Module, max_grad_norm: float) -> torch.Tensor:
-    """Clip to `max_grad_norm` (0: no clipping) by the whole model's gradient norm, and return it.
-    Of sharded gradients (DTensors) the norm of this rank's shards alone would be a part of it, so
-    the full norm clips (and is recorded)."""
+    """Clip to `max_grad_norm` (0: no clipping) by the whole model's gradient norm and return it; of sharded
+    gradients (DTensors) that is the full norm, not this rank's part of it."""
     parameters = [p for p in model.parameters() if p.grad is not None]
     norm = full_norm(torch.nn.utils.get_total_norm([p.grad for p in parameters]))
     torch.nn.utils.clip_grads_with_norm_(parameters, max_grad_norm or math.inf, norm)

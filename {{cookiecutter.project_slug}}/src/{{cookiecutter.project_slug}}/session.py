@@ -1,7 +1,6 @@
-"""The running state of a job, the loop's one handle (`Session`, built once the model is ready): the
-windows, the record (metrics.jsonl, W&B, the progress line), the non-finite count, the stop signal and
-the extras' parts; it decides when to evaluate, checkpoint and stop. What the job *is* stays in the
-frozen `startup.Run` it is built from.
+"""The loop's one handle on a running job (`Session`, built once the model is ready): its windows, its
+record (metrics.jsonl, W&B, the progress line), the non-finite count and the stop signal; it decides when
+to evaluate, checkpoint and stop. What the job *is* stays in the frozen `startup.Run` it is built from.
 """
 
 import math
@@ -25,9 +24,8 @@ from .windows import Window, windows_from
 
 
 class Without:
-    """An extra's part of a Session where that extra is not baked: each window taken once (auto_batch's
-    memory.MicroBatchRetry takes one again after an out-of-memory error) and no noise scale (batch_schedule's
-    noise.SessionNoise)."""
+    """An extra's part of a Session where it is not baked: each window taken once (auto_batch's
+    memory.MicroBatchRetry retries it after an out-of-memory error), no noise scale (noise.SessionNoise)."""
 
     def __init__(self, session):
         self.session = session
@@ -67,9 +65,8 @@ class Session:
     `save_due`, `should_stop`, and at the end `save_model` (or `save_final`) and `done`."""
 
     def __init__(self, run: Run, model: torch.nn.Module, accelerator=None, sync_counter=None):
-        """Announce the run (rank 0) and start its record; `model` is the unwrapped model (for mfu).
-        W&B goes through `accelerator` when given; `sync_counter`: DDP's GradSyncCounter (or a
-        sharded model's counter of its collectives)."""
+        """Announce the run (rank 0) and start its record; `model` is the unwrapped model (for mfu), W&B
+        goes through `accelerator` when given, `sync_counter` is DDP's GradSyncCounter (or a sharded model's)."""
         self.run, self.cfg, self.env = run, run.cfg, run.env
         self.sync_counter = sync_counter
         self.stop_signal = ""  # the preemption signal any rank got (SIGTERM before SIGUSR1), as of the latest read
@@ -93,8 +90,7 @@ class Session:
         return self.sampler.plan
 
     @property
-    def step(self) -> int:
-        """Optimizer steps done so far, this job's and those before it."""
+    def step(self) -> int:  # optimizer steps done, this job's and those before it
         return self.run.start_step + self.job_steps
 
     def loaders(self):
@@ -126,14 +122,13 @@ class Session:
         return {**self.run.state(step, self.plan.micro_batch_size), **self.retry.state(), **self.noise.state()}
 
     def targets(self, window: Window) -> int:
-        """The real targets of the whole window on every rank (at least 1): what each micro-step's
-        summed loss is divided by. Counted on the host from the step's examples: no device read."""
+        """The real targets of the whole window on every rank (at least 1), which each micro-step's summed
+        loss is divided by; counted on the host from the step's examples (no device read)."""
         return max(int(self.example_targets[window.examples].sum()), 1)
 
     def read_step(self, loss_sum: torch.Tensor, grad_norm, num_targets: int, lr: float, micro_steps: int) -> dict:
-        """A step's record values in one collective and one device read: the ranks' summed loss and
-        preemption flags, with the gradient norm (the same on every rank, so a non-finite step is
-        skipped alike), and the noise scale's squared norms where batch_schedule is baked."""
+        """A step's record values in one collective and one device read: the ranks' summed loss and preemption
+        flags, the gradient norm (the same on every rank: a non-finite step is skipped alike), the noise scale's."""
         summed, kept = self.noise.slots()
         preemption = self.run.preemption
         read = sum_and_read([loss_sum, preemption.received, preemption.terminated, *summed], [*kept, grad_norm])
@@ -144,9 +139,9 @@ class Session:
                 "micro_steps": micro_steps}
 
     def _record(self, window: Window, values: dict) -> dict:
-        """The metrics.jsonl object of an optimizer step, with its MFU where the peak is known:
-        model FLOPs of the step's sequences (their real lengths) over the step's time, over the peak
-        of every device. `tokens` are the targets the loss counts, `input_tokens` what the model reads."""
+        """A step's metrics.jsonl object; its mfu (where the peak is known): the model FLOPs of the step's
+        sequences (their real lengths) per second over every device's peak. `tokens` are the targets the loss
+        counts, `input_tokens` what the model reads."""
         elapsed_s = self.tracker.elapsed()
         seconds, self.last_elapsed_s = elapsed_s - self.last_elapsed_s, elapsed_s
         record = {"step": window.step, **values, "world_size": self.env.world_size,
@@ -163,8 +158,7 @@ class Session:
         return record
 
     def log_step(self, window: Window, values: dict) -> None:
-        """Record the window's optimizer step (metrics.jsonl, W&B, the progress line) and count it in
-        this job; a run whose steps keep being non-finite stops here (JobFailed, exit code 3)."""
+        """Record the window's step and count it in this job; a run whose steps keep being non-finite stops here."""
         if self.sync_counter is not None:
             values.update(self.sync_counter.record())
         values.update(self.noise.record(window, values))
@@ -176,9 +170,8 @@ class Session:
         self.tracker.log({"step": step, **metrics})
 
     def _check_finite(self, step: int, values: dict) -> None:
-        """Count the steps in a row whose loss or gradient norm was not finite (each one skipped);
-        stop the job (exit code 3) after max_nonfinite_steps of them. fp16's own overflow skips (a
-        finite loss, an infinite scaled gradient) are the loss scaler's business and do not count."""
+        """Stop the job (exit code 3) after max_nonfinite_steps steps in a row whose loss or gradient norm was
+        not finite; fp16's own overflow skips (a finite loss, an infinite scaled gradient) are the scaler's."""
         grad_norm, loss = values.get("grad_norm"), values["loss"]
         bad_norm = grad_norm is not None and not math.isfinite(grad_norm) and self.cfg.mixed_precision != "fp16"
         if not (bad_norm or not math.isfinite(loss)):
@@ -194,19 +187,16 @@ class Session:
                             exit_code=3, agreed=True)
 
     def eval_due(self, window: Window) -> bool:
-        """Evaluate after this window's step? Every eval_every steps, or (eval_every 0) at the end
-        of each epoch, the run's last step ending the last (maybe partial) epoch."""
+        """Every eval_every steps, or (eval_every 0) at each epoch's end, the last step ending the last epoch."""
         if self.cfg.eval_every:
             return window.step % self.cfg.eval_every == 0
         return window.ends_epoch or window.step == self.run.total_steps
 
     def save_due(self, step: int) -> bool:
-        """Write a checkpoint after optimizer step `step`? Every save_steps steps."""
         return bool(self.cfg.save_steps) and step % self.cfg.save_steps == 0
 
     def should_stop(self, step: int) -> bool:
-        """After optimizer step `step`: must this job end here, with a checkpoint? At
-        --stop_after_steps, or when any process had the preemption signal at the step's read_step."""
+        """End this job here with a checkpoint? At --stop_after_steps, or on any rank's preemption signal."""
         if step >= self.run.total_steps:
             return False
         if self.job_steps == self.cfg.stop_after_steps:
@@ -216,8 +206,8 @@ class Session:
         return bool(self.stop_reason)
 
     def save_checkpoint(self, step: int, write) -> None:
-        """checkpoints/step_<step>, written by `write(folder)` on every process, atomically (a write
-        in the background is published once written; the next save, or the end, waits for it)."""
+        """checkpoints/step_<step> by `write(folder)` on every process, atomically (one written in the
+        background is published once written; the next save, or the end, waits for it)."""
         check_held()
         self.finish_checkpoint()
         written = write_checkpoint(self.cfg, self.env, checkpoints_dir(self.cfg.output_dir) / f"step_{step}", write,
@@ -237,8 +227,7 @@ class Session:
         write_final(self.cfg, self.env, write, self.state(self.step))
 
     def save_model(self, model, state_dict: dict | None = None) -> None:
-        """final_model/ from the unwrapped model (its whole parameters in `state_dict` when it is
-        sharded): save_pretrained plus the tokenizer."""
+        """final_model/ from the unwrapped model (`state_dict`: its whole parameters where it is sharded)."""
         def write(folder: Path) -> None:
             if self.env.is_main_process:
                 save_weights(model, folder, self.cfg, self.run.model_config, state_dict)
@@ -253,8 +242,7 @@ class Session:
         self.tracker.finish()
 
     def stopped(self) -> int:
-        """The last words of a job that stops early (its checkpoint written): how to continue. Returns
-        the process's exit code: 143 where it got SIGTERM (PreemptionSignal), else 0."""
+        """The last words of a job that stops early: how to continue; its exit code (PreemptionSignal)."""
         self.finish_checkpoint()
         print0(f"stopping after {self.job_steps} steps of this job (step {self.step} of {self.run.total_steps}), "
                f"on {self.stop_reason}; continue with --resume_from_checkpoint auto")

@@ -1,6 +1,5 @@
-"""The speed levers (compile, tf32, fused_adamw, attn_implementation, dataloader_workers: one key
-each, in all three entry points) and how fast a step is: FLOPs as nanoGPT and PaLM count them, and
-the model FLOPs utilisation (`mfu`) of each step record. docs/performance.md tells the story.
+"""The speed levers (compile, tf32, fused_adamw, attn_implementation, dataloader_workers: one key each, in all
+three entry points) and how fast a step is: FLOPs as nanoGPT and PaLM count them, each step's `mfu`.
 """
 
 import numpy as np

@@ -1,6 +1,5 @@
-"""Start-up: everything decided once, before the first optimizer step, as one frozen `Run`. `start()`
-makes every up-front check a user's mistake can fail (errors.ConfigError), then reads the resume
-point, the data, the tokenizer and the batch plan. The loop's running state is session.py's.
+"""Start-up: everything decided once, before the first optimizer step, as one frozen `Run`: `start()` makes every
+up-front check a user's mistake can fail, then reads the resume point, the data, the tokenizer and the batch plan.
 """
 
 import os
@@ -9,7 +8,6 @@ from pathlib import Path
 
 import transformers
 
-from .batch import BatchPlan, plan_batches
 from .checkpoint import (
     check_same_data,
     check_same_entry,
@@ -32,7 +30,7 @@ from .output_lock import OutputLock, check_shared
 from .prepare import prepare
 from .speed import matmul_precision, numel, peak_flops, set_tf32
 from .tracking import check_wandb
-from .windows import WindowSampler
+from .windows import BatchPlan, WindowSampler, plan_batches
 
 # global_batch_size_schedule (batch_schedule): a plan and sampler that follow it; micro_batch_size auto (auto_batch)
 schedule_of = plug("batch_schedule", "batch_schedule:schedule_of",
@@ -45,8 +43,7 @@ auto_plan = plug("auto_batch", "memory:auto_plan")
 
 @dataclass(frozen=True)
 class Run:
-    """What this job is, fixed from start-up to the end (but the micro batch, which auto_batch's
-    out-of-memory retry may lower: session.py holds the current plan)."""
+    """What this job is, fixed from start-up to the end (but the micro batch: session.py holds the current plan)."""
 
     cfg: TrainConfig
     env: DistEnv
@@ -94,8 +91,7 @@ class Run:
         check_shared(self.cfg.output_dir, self.env)
 
     def state(self, step: int, micro_batch_size: int) -> dict:
-        """What a checkpoint (or the finished model) records besides its files: a later job checks
-        it before it continues."""
+        """What a checkpoint (or the final model) records besides its files, for a later job to check."""
         return {"step": step, "world_size": self.env.world_size, "entry": self.launch.entry,
                 "backend": self.launch.backend, "total_steps": self.total_steps,
                 "num_train_examples": len(self.data["train"]), "data_fingerprint": self.data_fingerprint,

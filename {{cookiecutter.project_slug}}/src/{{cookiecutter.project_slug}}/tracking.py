@@ -15,12 +15,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .batch import BatchPlan
 from .checkpoint import after_a_failed_write
 from .config import TrainConfig
 from .distributed import DistEnv, print0
 from .errors import ConfigError, JobFailed, first_line
 from .output_lock import check_held
+from .windows import BatchPlan
 
 TRAIN_KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
               "grad_sync_calls": "train/grad_sync_calls", "mfu": "train/mfu",
@@ -92,12 +92,10 @@ class Progress:
                  "grad_norm nan"]
         if seconds > 0:
             parts += [f"{_count(tokens / seconds)} tok/s", f"eta {_duration((self.total - step) * seconds / steps)}"]
-        if "mfu" in record:
-            parts.append(f"mfu {record['mfu']:.1%}")
-        if "grad_noise_scale" in record:
-            parts.append(f"gns {record['grad_noise_scale']:.3g}")
-        if "grad_sync_calls" in record:
-            parts.append(f"syncs {record['grad_sync_calls']}")
+        for key, name, spec in (("mfu", "mfu", ".1%"), ("grad_noise_scale", "gns", ".3g"),
+                                ("grad_sync_calls", "syncs", "")):
+            if key in record:
+                parts.append(f"{name} {record[key]:{spec}}")
         if record.get("step_skipped"):
             parts.append("skipped")
         shape = record["global_batch_size"], record["micro_batch_size"]
@@ -110,13 +108,7 @@ class Progress:
     def evaluation(self, record: dict) -> None:
         """`eval 13/39 | loss 4.0507 | perplexity 57.43`: every evaluation gets its line."""
         parts = [f"{k.removeprefix('eval_')} {v:.4f}" for k, v in record.items() if k.startswith("eval_")]
-        self.write(" | ".join([f"eval {record['step']}/{self.total}", *parts]))
-
-    def write(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.write(text, file=sys.stdout)
-        else:
-            print(text, flush=True)
+        print0(" | ".join([f"eval {record['step']}/{self.total}", *parts]))
 
     def update(self, record: dict) -> None:
         step = record["step"]
@@ -125,7 +117,7 @@ class Progress:
             self.bar.set_postfix_str(text.partition(" | ")[2], refresh=False)
             self.bar.update(1)
         if step % self.every == 0 or step == self.total:
-            self.write(text)
+            print0(text)  # above a live bar
             self.since = (step, record["elapsed_s"], 0)
             self.shape, self.oom = (record["global_batch_size"], record["micro_batch_size"]), False
         else:
@@ -258,5 +250,5 @@ def _init_wandb(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool, 
     except wandb.errors.CommError as err:
         print0(f"note: W&B cannot reach its server ({first_line(err)}); this run logs offline instead")
         run = start({**init, "mode": "offline"})
-    (Path(cfg.output_dir) / "wandb_run_id").write_text(run.id)
+    id_file.write_text(run.id)
     return run

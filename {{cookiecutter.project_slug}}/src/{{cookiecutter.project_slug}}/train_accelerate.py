@@ -4,11 +4,10 @@ Launch: `python -m {{ cookiecutter.project_slug }}.train_accelerate` (one proces
 `accelerate launch --config_file configs/accelerate/multi_gpu.yaml -m ...`, or `ENTRY=accelerate
 scripts/train_local.sh`; every flag overrides its key in configs/train.yaml (`--help`).
 
-Inside `accumulate()` Accelerate skips DDP's all-reduce until a window's last micro-step and the
-prepared optimizer steps only when `sync_gradients`. Corrected on top: a window's length follows the
-data (set at its start; its last micro-step syncs); `accelerator.backward`'s division by
-gradient_accumulation_steps is multiplied back (we divide by the global batch's targets); the
-scheduler steps once per optimizer step; with DeepSpeed on CPU, the world comes from DistEnv.
+Inside `accumulate()` Accelerate skips DDP's all-reduce until a window's last micro-step and the prepared
+optimizer steps only when `sync_gradients`. Corrected on top: a window's length follows the data;
+`accelerator.backward`'s division by gradient_accumulation_steps is multiplied back; the scheduler steps once
+per optimizer step; with DeepSpeed on CPU, the world comes from DistEnv.
 """
 
 import math

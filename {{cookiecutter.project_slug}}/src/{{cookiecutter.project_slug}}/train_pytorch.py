@@ -45,9 +45,8 @@ def train_step(ddp_model, forward, window: Window, optimizer, lr_scheduler, scal
 
     The textbook loop over k micro-batches (k = grad_accum_steps, fewer in an epoch's short last
     window) whose boundary test `(index + 1) % k == 0` is `is_last` here: the only micro-step that
-    syncs, then step, schedule, zero. fp16's scaler unscales once, before clipping; a step it skips
-    leaves the schedule. None: the window did not fit in memory on some rank (micro_batch_size
-    auto), and comes again."""
+    syncs, then step, schedule, zero. None: the window did not fit in memory on some rank
+    (micro_batch_size auto), and comes again."""
     cfg, env = session.cfg, session.env
     model = ddp_model.module if isinstance(ddp_model, DDP) else ddp_model
     num_targets = session.targets(window)  # real targets, all ranks (counted on the host)

@@ -31,10 +31,8 @@ from .trainer_adapters import RunRecorder, WindowLoss, WindowTrainer, compute_me
 
 
 def training_arguments(cfg: TrainConfig, run: Run) -> TrainingArguments:
-    """Our config as TrainingArguments: the only place the Trainer is configured.
-
-    The Trainer writes its checkpoints (`checkpoint-<N>`) under checkpoints/; RunRecorder then
-    publishes each one atomically as step_<N>, like the other entry points."""
+    """Our config as TrainingArguments: the only place the Trainer is configured. Its checkpoints (`checkpoint-<N>`)
+    go under checkpoints/, and RunRecorder publishes each one atomically as step_<N>, as the other loops do."""
     return TrainingArguments(
         output_dir=str(checkpoints_dir(cfg.output_dir)),
         per_device_train_batch_size=run.plan.micro_batch_size,

@@ -1,7 +1,6 @@
-"""What train_trainer.py puts into the HF `Trainer` so that it trains exactly as the other two entry
-points do, each adapter replacing a library default through the Trainer's public hooks: WindowTrainer,
-WindowLoss (the loss normalisation), RunRecorder (records, non-finite steps, checkpoints, stopping),
-eval_summaries and compute_metrics (evaluation by real targets).
+"""What train_trainer.py puts into the HF `Trainer` so that it trains exactly as the other two entry points do,
+each adapter replacing a library default through the Trainer's public hooks: WindowTrainer, WindowLoss (the loss
+normalisation), RunRecorder (records, non-finite steps, checkpoints, stopping), eval_summaries and compute_metrics.
 """
 
 from pathlib import Path

@@ -1,6 +1,6 @@
-"""Accumulation windows: the examples each optimizer step takes on this rank (WindowSampler), a
-step's facts carried as one value (Window) and the arithmetic the hand-written loops share.
-docs/data.md gives the data order.
+"""Batch maths and accumulation windows: global_batch_size = micro_batch_size x grad_accum_steps x world_size,
+grad_accum_steps derived from the real world size at start-up (BatchPlan); the examples each optimizer step takes
+on this rank (WindowSampler) and a step's facts as one value (Window). docs/data.md gives the data order.
 """
 
 import math
@@ -10,13 +10,44 @@ from dataclasses import dataclass
 import numpy as np
 from torch.utils.data import Sampler
 
-from .batch import BatchPlan
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    micro_batch_size: int
+    world_size: int
+    global_batch_size: int
+    chosen_by: str = ""  # how micro_batch_size auto found micro_batch_size; empty when given
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.world_size)
+
+    def table(self, max_seq_len: int) -> str:
+        """The start-up table: micro x accum x world = global, and tokens per optimizer step."""
+        rows = [("micro_batch_size", self.micro_batch_size), ("x grad_accum_steps", self.grad_accum_steps),
+                ("x world_size", self.world_size), ("= global_batch_size", self.global_batch_size),
+                ("tokens/step (at most)", self.global_batch_size * max_seq_len)]
+        lines = [f"  {name:<22}{value:>10}" for name, value in rows]
+        if self.chosen_by:
+            lines[0] += f"   (auto: {self.chosen_by})"
+        return "\n".join(lines)
+
+
+def plan_batches(global_batch_size: int, micro_batch_size: int, world_size: int, chosen_by: str = "") -> BatchPlan:
+    """Derive grad_accum_steps; a global batch that does not divide is a ConfigError."""
+    per_micro_step = micro_batch_size * world_size
+    if global_batch_size % per_micro_step:
+        raise ConfigError(f"global_batch_size {global_batch_size} is not divisible by micro_batch_size "
+                          f"{micro_batch_size} x world_size {world_size} = {per_micro_step}; use a multiple of "
+                          f"{per_micro_step} or another micro_batch_size")
+    return BatchPlan(micro_batch_size, world_size, global_batch_size, chosen_by)
 
 
 @dataclass(frozen=True)
 class Window:
-    """One optimizer step's facts, derived once: the loops, the record and the evaluation read
-    them here."""
+    """One optimizer step's facts, derived once: the loops, the record and the evaluation read them here."""
 
     step: int  # the optimizer step this window completes (1-based)
     micro_batches: list[dict]  # this rank's (empty where the Trainer draws them itself)
@@ -59,7 +90,6 @@ class WindowSampler(Sampler):
 
     @property
     def steps_per_epoch(self) -> int:
-        """Optimizer steps of the current epoch."""
         return self.steps_in(self.epoch)
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
