@@ -49,7 +49,7 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
         "'tiny' builds a small model from a config (no download); else a Hugging Face model name "
         "or local path.", "tiny", resume="match", data=True)
     model_factory: str = key(
-        "Your own model: 'package.module:function', called with vocab_size, num_labels (None for causal_lm) "
+        "Your own model: 'package.module:function', called with vocab_size, num_labels (None for causal_lm, chat) "
         "and cfg, returning an nn.Module whose forward(input_ids, attention_mask) gives logits; empty: the "
         "Hugging Face auto classes (model_name_or_path still names the tokenizer).", "", resume="match", data=False)
     dataset: str = key(
