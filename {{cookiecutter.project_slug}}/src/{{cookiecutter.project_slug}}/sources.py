@@ -40,11 +40,11 @@ def chat_problem(messages) -> str:
     """What keeps a chat record's `messages` from being a conversation to learn from; "" if nothing."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         return f"messages {_describe(messages)[:80]} is not a list of role/content objects"
-    for m in messages:
+    for turn, m in enumerate(messages, 1):
         if m.get("role") not in ROLES:
-            return f"role {_describe(m.get('role'))} is none of {', '.join(ROLES)}"
+            return f"turn {turn} has role {_describe(m.get('role'))}, none of {', '.join(ROLES)}"
         if not isinstance(m.get("content"), str):
-            return f"a {m['role']} turn's content {_describe(m.get('content'))[:80]} is not a string"
+            return f"turn {turn} ({m['role']}) has content {_describe(m.get('content'))[:80]}, not a string"
     return "" if any(m["role"] == "assistant" for m in messages) else "no assistant turn, whose tokens the loss counts"
 
 
