@@ -54,7 +54,8 @@ def place(where: str, index: int) -> str:
     if path.suffix in (".jsonl", ".json") and path.is_file():
         text = path.read_text(errors="replace")
         if not text.lstrip().startswith("["):  # JSON lines, not one array
-            return f"line {[n for n, line in enumerate(text.split(chr(10)), 1) if line.strip()][index]}"
+            lines = [number for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+            return f"line {lines[index]}"
     return f"example {index + 1}"
 
 
