@@ -21,7 +21,8 @@ from conftest import (
     report,
 )
 
-TASKS = ("causal_lm", "sequence_classification")
+TASKS = ("causal_lm", "sequence_classification")  # each bake's suite runs (test_generated_suite_passes)
+ASSET_TASKS = (*TASKS, "chat")  # the data of every task ships with every bake
 ENTRY_POINTS = ("all", "pytorch", "accelerate", "trainer")
 DEEPSPEED = ("2", "none")
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".json", ".sh", ".sbatch", ".txt", ".cfg", ""}
@@ -58,10 +59,11 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str, launchers
         "configs/experiments/long_context.yaml", "scripts/check_commit.py", "scripts/train_local.sh",
         "scripts/flags.sh", *(f"{pkg}/{m}.py" for m in CORE_MODULES),
         *(f"docs/{name}.md" for name in ("data", "extending", "guarantees", "launching", "memory", "performance")),
-        *(f"{pkg}/assets/data/{t}/{s}.jsonl" for t in TASKS for s in ("train", "validation")),
-        f"{pkg}/assets/tokenizer/tokenizer.json", f"{pkg}/assets/tokenizer/tokenizer_config.json",
+        *(f"{pkg}/assets/data/{t}/{s}.jsonl" for t in ASSET_TASKS for s in ("train", "validation")),
+        *(f"{pkg}/assets/tokenizer/{name}" for name in ("tokenizer.json", "tokenizer_config.json",
+                                                         "chat_template.jinja")),
         *(f"tests/{m}.py" for m in ("conftest", "test_batch", "test_cli", "test_config", "test_continue", "test_data",
-                                    "test_output_lock", "fork_launcher", "sync_counting", "test_faults",
+                                    "test_output_lock", "fork_launcher", "test_chat", "sync_counting", "test_faults",
                                     "test_inputs", "test_levers", "test_parity", "test_resume", "test_scripts",
                                     "test_speed", "test_wandb", "test_elastic", "test_extras", "test_extending",
                                     "test_model_factory", "factory_models", "test_gpu_check", "test_install")),
@@ -95,7 +97,7 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str, launchers
     return files
 
 
-MATRIX = list(itertools.product(TASKS, ENTRY_POINTS, DEEPSPEED))
+MATRIX = [*itertools.product(TASKS, ENTRY_POINTS, DEEPSPEED), ("chat", "all", "2")]  # chat: its default only
 
 
 @pytest.mark.parametrize("task,entry_points,deepspeed_stage", MATRIX)

@@ -98,7 +98,7 @@ BAD_FACTORIES = [
     ({"model_factory": "factory_models:NOT_CALLABLE"}, "factory_models has no function NOT_CALLABLE"),
     ({"model_factory": "factory_models:not_a_module"}, "returned a dict, not a torch.nn.Module"),
     ({"model_factory": "factory_models:positional"}, "(vocab_size=..., num_labels=..., cfg=...) failed (TypeError: "),
-    ({"model_factory": "factory_models:wrong_vocab"}, "expected [1, 2, 105] (the last size is vocab_size)"),
+    ({"model_factory": "factory_models:wrong_vocab"}, "expected [1, 2, 108] (the last size is vocab_size)"),
     ({"model_factory": "factory_models:wrong_vocab", "task": "sequence_classification"},
      "expected [1, 2] (the last size is num_labels)"),
     ({"model_factory": FACTORY, "gradient_checkpointing": True},

@@ -40,14 +40,15 @@ def whole_or_auto(value) -> int | str:
 class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after the core's, in EXTRAS' order
     """Everything one training run needs: each field is a YAML key and a `--flag`; the baked extras add theirs."""
 
-    task: Literal["causal_lm", "sequence_classification"] = key(
-        "causal_lm (next-token prediction) or sequence_classification.", "{{ cookiecutter.task }}",
+    task: Literal["causal_lm", "sequence_classification", "chat"] = key(
+        "causal_lm (next-token prediction), sequence_classification, or chat (conversations rendered with the "
+        "tokenizer's chat template, the loss on the assistant's tokens only).", "{{ cookiecutter.task }}",
         resume="match", data=True)
     model_name_or_path: str = key(
         "'tiny' builds a small model from a config (no download); else a Hugging Face model name "
         "or local path.", "tiny", resume="match", data=True)
     model_factory: str = key(
-        "Your own model: 'package.module:function', called with vocab_size, num_labels (None for causal_lm) "
+        "Your own model: 'package.module:function', called with vocab_size, num_labels (None for causal_lm, chat) "
         "and cfg, returning an nn.Module whose forward(input_ids, attention_mask) gives logits; empty: the "
         "Hugging Face auto classes (model_name_or_path still names the tokenizer).", "", resume="match", data=False)
     dataset: str = key(
@@ -57,7 +58,7 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
     max_seq_len: int = key("Longest sequence in tokens; longer examples are truncated (packed: the block length).",
                             64, resume="match", data=True)
     packing: bool = key(
-        "causal_lm only: join the documents (one EOS between them) into blocks of max_seq_len tokens, no "
+        "causal_lm and chat: join the documents (one EOS between them) into blocks of max_seq_len tokens, no "
         "padding; attention then crosses document boundaries inside a block, as in HF's run_clm.", False,
         resume="match", data=True)
     data_cache_dir: str = key(
@@ -184,8 +185,8 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
             raise ConfigError(f"dataloader_workers must be -1 (auto) or >= 0, got {self.dataloader_workers}")
         if self.attn_implementation == "flash_attention_2" and self.mixed_precision == "no":
             raise ConfigError("attn_implementation flash_attention_2 runs in bf16/fp16: set mixed_precision bf16/fp16")
-        if self.packing and self.task != "causal_lm":
-            raise ConfigError(f"packing joins documents for causal_lm; task {self.task} keeps one example per "
+        if self.packing and self.task == "sequence_classification":
+            raise ConfigError(f"packing joins documents for causal_lm and chat; task {self.task} keeps one example per "
                               "sequence: set packing false")
         if self.ddp_bucket_cap_mb <= 0:
             raise ConfigError(f"ddp_bucket_cap_mb must be > 0, got {self.ddp_bucket_cap_mb}")

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 IGNORE_INDEX = -100
 TARGETS = "targets"  # the prepared training column of each example's targets (example_sizes)
+ASSISTANT = "assistant_masks"  # chat: 1 on each token of an assistant turn, as apply_chat_template marks it
 
 
 class _Marked(Dataset):
@@ -39,10 +40,14 @@ def labels_for(example: dict, task: str) -> torch.Tensor:
     (each step's divisor), so change what the loss counts here and only here; its source is part of
     the data cache's key and of data_fingerprint (a resume after a change is refused). causal_lm:
     the tokens themselves (summed_loss shifts them: token t is position t-1's target); a prompt mask
-    is `labels[:k] = IGNORE_INDEX` on this copy. Classification: the example's label."""
-    if task != "causal_lm":
+    is `labels[:k] = IGNORE_INDEX` on this copy; chat: the assistant's tokens only. Classification: the
+    example's label."""
+    if task == "sequence_classification":
         return torch.tensor(example["label"])
-    return torch.tensor(example["input_ids"], dtype=torch.long)
+    labels = torch.tensor(example["input_ids"], dtype=torch.long)
+    if task == "chat":
+        labels[torch.tensor(example[ASSISTANT]) == 0] = IGNORE_INDEX
+    return labels
 
 
 class Collator:
@@ -61,7 +66,7 @@ class Collator:
             input_ids[row, :len(f["input_ids"])] = torch.as_tensor(f["input_ids"])
             attention_mask[row, :len(f["input_ids"])] = 1
         filler = ~torch.tensor([f.get("real", True) for f in features])
-        if self.task == "causal_lm":
+        if self.task != "sequence_classification":
             labels = torch.full_like(input_ids, IGNORE_INDEX)
             for row, f in enumerate(features):
                 labels[row, :len(f["input_ids"])] = labels_for(f, self.task)

@@ -125,10 +125,10 @@ def damage(folder: Path) -> str | None:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """The tokenizer as it encodes: a fast tokenizer's whole definition, else its vocabulary."""
+    """The tokenizer as it encodes: a fast tokenizer's whole definition, else its vocabulary; its chat template."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    return body + repr(sorted(tokenizer.special_tokens_map.items()))
+    return body + repr(sorted(tokenizer.special_tokens_map.items())) + repr(tokenizer.chat_template)
 
 
 def cache_folder(cfg: TrainConfig, source, tokenizer) -> Path:

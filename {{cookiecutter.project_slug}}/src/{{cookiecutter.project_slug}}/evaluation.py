@@ -60,5 +60,5 @@ def evaluate(model: torch.nn.Module, loader, task: str, device: torch.device, au
     all_reduce_sum(totals)
     all_reduce_sum(confusion)
     model.train(was_training)
-    classes = None if task == "causal_lm" else confusion.view(num_labels, num_labels).cpu().numpy()
+    classes = None if task != "sequence_classification" else confusion.view(num_labels, num_labels).cpu().numpy()
     return eval_metrics(*totals.tolist(), classes)

@@ -94,7 +94,7 @@ def worst_case_batch(cfg: TrainConfig, model_config, size: int, device: torch.de
     fits where this one does."""
     generator = torch.Generator().manual_seed(cfg.seed)
     input_ids = torch.randint(0, model_config.vocab_size, (size, cfg.max_seq_len), generator=generator)
-    if cfg.task == "causal_lm":  # as data.Collator has it: no attention mask
+    if cfg.task != "sequence_classification":  # as data.Collator has it: no attention mask
         return {"input_ids": input_ids.to(device), "labels": input_ids.to(device)}
     return {"input_ids": input_ids.to(device), "attention_mask": torch.ones_like(input_ids, device=device),
             "labels": torch.zeros(size, dtype=torch.long, device=device)}

@@ -1,4 +1,4 @@
-"""Tokenizer, model and the loss, for both tasks: `tiny` builds a 2-layer Llama from a config with
+"""Tokenizer, model and the loss, for every task: `tiny` builds a 2-layer Llama from a config with
 the tokenizer that ships in assets/ (no download, dropout 0), anything else loads with
 `from_pretrained`. The loss is a *sum* over real targets (labels != -100): each loop divides by the
 real targets of the whole global batch, so accumulation is exact however the padding falls.
@@ -82,7 +82,7 @@ def model_config(cfg: TrainConfig, tokenizer, num_labels: int = 2):
 
 def with_attention(cfg: TrainConfig, config):
     """`config` and `cfg` set to the attention the model runs, as its constructor decides (auto: sdpa, else eager)."""
-    auto = AutoModelForCausalLM if cfg.task == "causal_lm" else AutoModelForSequenceClassification
+    auto = AutoModelForCausalLM if cfg.task != "sequence_classification" else AutoModelForSequenceClassification
     if type(config) not in auto._model_mapping:  # e.g. T5 for causal_lm
         raise ConfigError(f"model {cfg.model_name_or_path} is a {config.model_type} model, which {auto.__name__} "
                           "cannot build (for causal_lm a decoder-only model, not an encoder-decoder); use one it can")
@@ -121,7 +121,8 @@ def _as_output(module, args, output):
 
 def factory_arguments(cfg: TrainConfig, config) -> dict:
     """The sizes the factory is called with (with `cfg`), also recorded in FACTORY_FILE."""
-    return {"vocab_size": config.vocab_size, "num_labels": None if cfg.task == "causal_lm" else config.num_labels}
+    classes = config.num_labels if cfg.task == "sequence_classification" else None
+    return {"vocab_size": config.vocab_size, "num_labels": classes}
 
 
 def build_factory_model(cfg: TrainConfig, vocab_size: int, num_labels: int | None) -> torch.nn.Module:
@@ -167,7 +168,7 @@ def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
     (tiny) or the pretrained weights; or the model_factory's."""
     if cfg.model_factory:
         return build_factory_model(cfg, **factory_arguments(cfg, config))
-    auto = AutoModelForCausalLM if cfg.task == "causal_lm" else AutoModelForSequenceClassification
+    auto = AutoModelForCausalLM if cfg.task != "sequence_classification" else AutoModelForSequenceClassification
     torch.manual_seed(cfg.seed)
     if cfg.model_name_or_path == TINY:
         # Drawn once, by the model's own init, not first by each layer's constructor: the weights
@@ -236,13 +237,13 @@ def autocast_for(cfg: TrainConfig, device: torch.device):
 
 
 def count_targets(labels: torch.Tensor, task: str) -> int:
-    """Real targets in a batch: non-padding next tokens (causal_lm) or labelled examples."""
-    target = labels[:, 1:] if task == "causal_lm" else labels
+    """Real targets in a batch: labelled next tokens (causal_lm, chat) or labelled examples."""
+    target = labels[:, 1:] if task != "sequence_classification" else labels
     return int((target != IGNORE_INDEX).sum())
 
 
 def summed_loss(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
     """Cross-entropy summed (not averaged) over the real targets of the batch, in fp32."""
-    if task == "causal_lm":  # position t predicts token t+1
+    if task != "sequence_classification":  # position t predicts token t+1
         logits, labels = logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
     return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")

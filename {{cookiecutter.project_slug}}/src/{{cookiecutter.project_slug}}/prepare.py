@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,26 +19,32 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, load_from_disk
 
 from .config import TrainConfig
-from .data import TARGETS, labels_for
+from .data import ASSISTANT, TARGETS, labels_for
 from .data_cache import HEARTBEAT_S, META_FILE, PreparationLock, cache_folder, checksums, content_fingerprint, damage
 from .errors import ConfigError, disk_full, interruptible
 from .model import count_targets, load_tokenizer
-from .sources import Source, check_source, find_source, join, quiet_datasets, read_raw, validate
+from .sources import Source, check_source, find_source, join, place, quiet_datasets, read_raw, validate
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
 _PARENT: int | None = None  # the preparing process, while it prepares (children_end_with_this_process)
 
 
 def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig, work: Path) -> DatasetDict:
-    """input_ids per example, plus `label` for classification: truncated to max_seq_len, or whole
+    """input_ids per example, plus `label` for classification and the ASSISTANT mask for chat (the
+    tokenizer's chat template marks the assistant's tokens): truncated to max_seq_len, or whole
     documents when they are to be packed. Written under `work`, `num_proc` processes at a time."""
     keep = {"label"} if cfg.task == "sequence_classification" else set()
     num_proc = cfg.data_num_proc or (min(os.cpu_count() or 1, 8) if len(raw["train"]) >= 100_000 else 1)
 
     def encode(batch):
+        if cfg.task == "chat":
+            out = tokenizer.apply_chat_template(batch["messages"], return_dict=True, return_assistant_tokens_mask=True,
+                                                truncation=not cfg.packing, max_length=cfg.max_seq_len)
+            return {"input_ids": out["input_ids"], ASSISTANT: out["assistant_masks"]}
         ids = tokenizer(batch["text"], truncation=not cfg.packing, max_length=cfg.max_seq_len)["input_ids"]
         return {"input_ids": ids}
 
@@ -82,25 +89,26 @@ os.register_at_fork(after_in_child=_end_with_parent)
 def pack(documents, eos_id: int, block: int, path: Path):
     """Join the documents in order into one stream, one EOS between them (a document that ends in
     EOS gets none more), and cut it into blocks of `block` tokens; the remainder is dropped. The
-    blocks do not depend on how the stream was read (num_proc, chunks): one pass, with a carry."""
-    column = documents.data.column("input_ids")
-    schema = pa.schema([("input_ids", pa.list_(pa.int32(), block))])
-    carry = np.empty(0, dtype=np.int32)
+    blocks do not depend on how the stream was read (num_proc, chunks): one pass, with a carry. A
+    chat's ASSISTANT mask is cut alongside, 0 on an EOS put between two conversations."""
+    names = [name for name in ("input_ids", ASSISTANT) if name in documents.column_names]
+    schema = pa.schema([(name, pa.list_(pa.int32(), block)) for name in names])
+    carry = [np.empty(0, dtype=np.int32)] * len(names)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        for chunk in column.chunks:
-            offsets = chunk.offsets.to_numpy()
-            if offsets[-1] == offsets[0]:
+        for batch in documents.data.table.select(names).to_batches():
+            values = [pc.list_flatten(c).to_numpy(zero_copy_only=False).astype(np.int32) for c in batch.columns]
+            lengths = pc.list_value_length(batch.column(0)).to_numpy(zero_copy_only=False)
+            if not lengths.sum():
                 continue
-            tokens = chunk.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]].astype(np.int32)
-            ends = offsets[1:] - offsets[0]
-            nonempty = ends > offsets[:-1] - offsets[0]
-            without_eos = nonempty & (tokens[np.maximum(ends - 1, 0)] != eos_id)
-            stream = np.concatenate([carry, np.insert(tokens, ends[without_eos], eos_id)])
-            whole = len(stream) // block * block
+            tokens, ends = values[0], np.cumsum(lengths)
+            without_eos = (lengths > 0) & (tokens[np.maximum(ends - 1, 0)] != eos_id)
+            streams = [np.concatenate([kept, np.insert(column, ends[without_eos], fill)])
+                       for kept, column, fill in zip(carry, values, (eos_id, 0)[:len(names)], strict=True)]
+            whole = len(streams[0]) // block * block
             if whole:
-                blocks = pa.FixedSizeListArray.from_arrays(pa.array(stream[:whole]), block)
-                writer.write_batch(pa.record_batch([blocks], schema=schema))
-            carry = stream[whole:]
+                writer.write_batch(pa.record_batch([pa.FixedSizeListArray.from_arrays(pa.array(stream[:whole]), block)
+                                                    for stream in streams], schema=schema))
+            carry = [stream[whole:] for stream in streams]
     return Dataset.from_file(str(path))
 
 
@@ -122,6 +130,13 @@ def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> 
         print(f"data: preparing {sum(map(len, raw.values())):,} examples of {source.name} in {folder} (once; "
               "other processes wait for it)", flush=True)
         data = tokenize(raw, tokenizer, cfg, work)
+        for split, ds in data.items() if cfg.task == "chat" else ():  # every conversation keeps something to learn
+            index = next((i for i, mask in enumerate(ds[ASSISTANT]) if not any(mask[1:])), None)
+            for where, rows in parts[split] if index is not None else ():  # the file (shard) and line it is in
+                if index < len(rows):
+                    raise ConfigError(f"dataset {where} {place(where, index)}: no assistant token within max_seq_len "
+                                      f"{cfg.max_seq_len}; raise max_seq_len, or shorten the turns before the answer")
+                index -= len(rows)
         if cfg.packing:
             data = DatasetDict({split: pack(ds, tokenizer.eos_token_id, cfg.max_seq_len, work / f"{split}_packed.arrow")
                                 for split, ds in data.items()})
@@ -228,6 +243,11 @@ def prepare(cfg: TrainConfig, tokenizer) -> Prepared:
     if cfg.max_seq_len <= (special := tokenizer.num_special_tokens_to_add()):  # no room for text beside them
         raise ConfigError(f"max_seq_len {cfg.max_seq_len} leaves no room for text: the tokenizer adds {special} "
                           f"special token(s) to each example; use max_seq_len >= {special + 1}")
+    if cfg.task == "chat" and not re.search(r"\{\%-?\s*generation\b", str(tokenizer.chat_template or "")):
+        what = ("chat template of {} has no generation blocks" if tokenizer.chat_template
+                else "tokenizer of {} has no chat template").format(cfg.model_name_or_path)
+        raise ConfigError(f"task chat: the {what}; give its folder a chat_template.jinja whose generation blocks "
+                          "mark the assistant's turns (what the loss counts), as this project's assets/tokenizer/ has")
     folder = prepared_folder(cfg, find_source(cfg), tokenizer)
     meta = json.loads((folder / META_FILE).read_text())
     with quiet_datasets():

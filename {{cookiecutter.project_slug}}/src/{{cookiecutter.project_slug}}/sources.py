@@ -1,6 +1,7 @@
 """The raw data: where it is (a folder of train/validation files, a save_to_disk() folder or a hub
 name), reading it, and its checks: cheap ones up front (files exist, the first record has the task's
-columns), full-pass ones (every line parses, texts are strings, labels 0..K-1) in the one reading.
+columns), full-pass ones (every line parses, texts are strings, labels 0..K-1, conversations have
+known roles and an answer) in the one reading.
 """
 
 import contextlib
@@ -28,10 +29,34 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parqu
 # numbered shards of a split, read together in order: train.00.jsonl, train.01.jsonl, ... or the
 # hub's train-00000-of-00004.parquet, ...
 SHARD = re.compile(r"^(?P<split>[a-z]+)(?:\.(?P<n>\d+)|-(?P<i>\d+)-of-(?P<total>\d+))(?P<suffix>\.[a-z]+)$")
+ROLES = ("system", "user", "assistant")
 
 
 def columns_of(task: str) -> tuple[str, ...]:
-    return ("text", "label") if task == "sequence_classification" else ("text",)
+    return {"sequence_classification": ("text", "label"), "chat": ("messages",)}.get(task, ("text",))
+
+
+def chat_problem(messages) -> str:
+    """What keeps a chat record's `messages` from being a conversation to learn from; "" if nothing."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        return f"messages {_describe(messages)[:80]} is not a list of role/content objects"
+    for turn, m in enumerate(messages, 1):
+        if m.get("role") not in ROLES:
+            return f"turn {turn} has role {_describe(m.get('role'))}, none of {', '.join(ROLES)}"
+        if not isinstance(m.get("content"), str):
+            return f"turn {turn} ({m['role']}) has content {_describe(m.get('content'))[:80]}, not a string"
+    return "" if any(m["role"] == "assistant" for m in messages) else "no assistant turn, whose tokens the loss counts"
+
+
+def place(where: str, index: int) -> str:
+    """Example `index` of a part: its line in a JSON lines file (blank lines hold none), else its number."""
+    path = Path(where)
+    if path.suffix in (".jsonl", ".json") and path.is_file():
+        text = path.read_text(errors="replace")
+        if not text.lstrip().startswith("["):  # JSON lines, not one array
+            lines = [number for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+            return f"line {lines[index]}"
+    return f"example {index + 1}"
 
 
 @dataclass(frozen=True)
@@ -179,8 +204,9 @@ def _first_bad_json(path: Path) -> None:
                               f"{err.msg}") from None
         return
     for number, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            _parse_json_line(path, number, line)
+        if line.strip() and "messages" in (record := _parse_json_line(path, number, line)):
+            if problem := chat_problem(record["messages"]):  # mixed types: what the reader only names by row
+                raise ConfigError(f"dataset file {path} line {number}: {problem}")
 
 
 @contextlib.contextmanager
@@ -286,6 +312,11 @@ def _check_texts(data, where: str, split: str, task: str) -> None:
     for column in columns_of(task):
         if column not in data.column_names:
             raise ConfigError(f"dataset {where} lacks column {column} needed by task {task}")
+    if task == "chat":
+        for index, messages in enumerate(data["messages"]):
+            if problem := chat_problem(messages):
+                raise ConfigError(f"dataset {where} {place(where, index)}: {problem}")
+        return
     if _value_type(data.features["text"]) not in ("string", "large_string"):
         index, value = _first(data, "text", lambda v: not isinstance(v, str))
         raise ConfigError(f"dataset {where} example {index + 1} has text {_describe(value)}: every text must be a "

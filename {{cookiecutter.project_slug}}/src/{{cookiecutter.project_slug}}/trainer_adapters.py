@@ -173,7 +173,7 @@ def compute_metrics(eval_prediction, task: str, num_labels: int) -> dict:
     """compute_metrics: evaluation.eval_metrics of the gathered summaries (the Trainer adds the
     `eval_` prefix; its `loss` then replaces the Trainer's average of batch means as eval_loss)."""
     summary = np.asarray(eval_prediction.predictions)
-    confusion = None if task == "causal_lm" else confusion_matrix(
+    confusion = None if task != "sequence_classification" else confusion_matrix(
         np.asarray(eval_prediction.label_ids).astype(np.int64), summary[:, 2].astype(np.int64), num_labels)
     metrics = eval_metrics(float(summary[:, 0].sum()), float(summary[:, 1].sum()), confusion)
     return {name.removeprefix("eval_"): value for name, value in metrics.items()}
