@@ -6,6 +6,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -594,3 +595,28 @@ def test_a_data_cache_dir_that_cannot_be_written_to_is_one_line(corpus, tmp_path
         prepare_in(corpus, tmp_path / "cache")
     assert str(err.value) == (f"data_cache_dir {tmp_path / 'cache'} cannot be written to (Permission denied); choose "
                               "a folder you can write to")
+
+
+@pytest.mark.parametrize("text", ["训练数据只有中文", "The quick brown fox jumps over a lazy dog", ""])
+def test_text_the_tokenizer_does_not_know_is_one_line_or_a_note(corpus, tmp_path, capsys, text):
+    """Unknown tokens measured as the data is prepared: over half of the training tokens, one line
+    naming the share and the model; a few, a note; none (the shipped data), nothing."""
+    train = corpus / "train.jsonl"
+    lines = train.read_text().splitlines()
+    if text:
+        train.write_text("\n".join(json.dumps({"text": text}) for _ in lines) + "\n")
+    else:  # three unknown words after each document: about a tenth of the tokens
+        train.write_text("\n".join(json.dumps({"text": json.loads(line)["text"] + " zyzzyva quixotic xylem"})
+                                   for line in lines) + "\n")
+    if text:
+        with pytest.raises(ConfigError, match=r"^\d+\.\d% of the training tokens of .* are unknown to the tokenizer of "
+                           r"model_name_or_path tiny \(\[UNK\]\): the model would not see the text; use a model whose "
+                           "tokenizer covers it$") as refused:
+            prepare_in(corpus, tmp_path / "cache")
+        assert float(str(refused.value).split("%")[0]) > 50
+        return
+    prepare_in(corpus, tmp_path / "cache")
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert len(said) == 1 and re.match(r"note: [0-9.]+% of the training tokens", said[0]), said
+    prepare_in(ROOT / "src" / "{{ cookiecutter.project_slug }}" / "assets" / "data" / "causal_lm", tmp_path / "cache2")
+    assert "unknown" not in capsys.readouterr().out

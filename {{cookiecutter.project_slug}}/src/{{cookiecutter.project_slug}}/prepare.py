@@ -29,6 +29,7 @@ from .errors import ConfigError, disk_full, interruptible
 from .model import count_targets, load_tokenizer
 from .sources import Source, check_source, find_source, join, place, quiet_datasets, read_raw, validate
 
+UNKNOWN_NOTED = 0.05  # a share of unknown training tokens that gets a note
 PR_SET_PDEATHSIG = 1  # prctl(2)
 _PARENT: int | None = None  # the preparing process, while it prepares (children_end_with_this_process)
 
@@ -117,6 +118,23 @@ def work_folder(folder: Path, preparer: dict) -> Path:
     return folder.with_name(f".tmp-{folder.name}-{preparer.get('host')}-{preparer.get('pid')}")
 
 
+def check_unknown(train, tokenizer, cfg: TrainConfig, source: Source) -> None:
+    """The share of the training text's tokens (the special ones aside) the tokenizer does not know:
+    above half, the text is lost (ConfigError, one line); above UNKNOWN_NOTED, a note."""
+    if tokenizer.unk_token_id is None:  # byte-level: every text has tokens
+        return
+    tokens = pc.list_flatten(train.data.column("input_ids"))
+    specials = pa.array(sorted(set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}), pa.int64())
+    tokens = pc.filter(tokens, pc.invert(pc.is_in(pc.cast(tokens, pa.int64()), specials)))
+    share = pc.sum(pc.equal(tokens, tokenizer.unk_token_id)).as_py() / max(len(tokens), 1)
+    said = (f"{share:.1%} of the training tokens of {source.name} are unknown to the tokenizer of "
+            f"model_name_or_path {cfg.model_name_or_path} ({tokenizer.unk_token})")
+    if share > 0.5:
+        raise ConfigError(f"{said}: the model would not see the text; use a model whose tokenizer covers it")
+    if share > UNKNOWN_NOTED:
+        print(f"note: {said}", flush=True)
+
+
 def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> None:
     """Read, check, tokenise (and pack) the data into `folder`, atomically: a temporary folder
     beside it is renamed once everything is written."""
@@ -130,6 +148,7 @@ def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> 
         print(f"data: preparing {sum(map(len, raw.values())):,} examples of {source.name} in {folder} (once; "
               "other processes wait for it)", flush=True)
         data = tokenize(raw, tokenizer, cfg, work)
+        check_unknown(data["train"], tokenizer, cfg, source)
         for split, ds in data.items() if cfg.task == "chat" else ():  # every conversation keeps something to learn
             index = next((i for i, mask in enumerate(ds[ASSISTANT]) if not any(mask[1:])), None)
             for where, rows in parts[split] if index is not None else ():  # the file (shard) and line it is in
