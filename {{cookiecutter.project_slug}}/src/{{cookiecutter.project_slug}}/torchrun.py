@@ -1,7 +1,7 @@
 """torchrun as the launch scripts start it (`python -m {{ cookiecutter.project_slug }}.torchrun`, the same options),
 ending in one line where torchrun would print a traceback: Ctrl-C or SIGTERM exits 128 + the signal
-(workers that got SIGTERM end with 143, and so does torchrun), a lost rendezvous 1, and a worker whose
-own line says it all (the doctor's failed check) its own code. docs/launching.md tells the story.
+(workers that got SIGTERM end with 143, and so does torchrun), a lost rendezvous 1, and workers whose
+own line says it all (a configuration error, the doctor's failed check) 2. docs/launching.md tells the story.
 """
 
 import logging
@@ -18,13 +18,10 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.run import main, parse_args
 
-from .extras import plug
-
 # A worker's exit codes after SIGTERM: its own (Session.stopped, errors.Interrupted), or the signal's
 # when torchrun, seeing the first worker end, stopped one that was already on its way out.
 TERMINATED = (128 + signal.SIGTERM, -signal.SIGTERM)
-said_by_the_worker = plug("doctor", "hangs:said_by_the_worker", default=lambda args: ())
-said_it_all = plug("doctor", "hangs:said_it_all", default=lambda failed, codes: None)
+SAID = 2  # a worker's configuration error (cli.run_cli) or the doctor's failed check: its own line says it all
 
 
 class _SaidByTheLine(logging.Filter):
@@ -57,8 +54,7 @@ def rendezvous_failure(error: RendezvousError, endpoint: str, nnodes: str) -> st
 
 if __name__ == "__main__":
     args = parse_args(sys.argv[1:])
-    own_line = said_by_the_worker(args)
-    said = _SaidByTheLine(TERMINATED + own_line)
+    said = _SaidByTheLine((*TERMINATED, SAID))
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api",
                  "torch.distributed.elastic.rendezvous.dynamic_rendezvous"):
         logging.getLogger(name).addFilter(said)
@@ -74,9 +70,9 @@ if __name__ == "__main__":
         print(rendezvous_failure(error, endpoint, args.nnodes), file=sys.stderr, flush=True)
         sys.exit(1)
     except ChildFailedError as failed:
-        if (code := said_it_all(failed, own_line)) is not None:
-            sys.exit(code)
         codes = [failure.exitcode for failure in failed.failures.values()]
+        if SAID in codes and set(codes) <= {SAID, -signal.SIGTERM}:  # the rest stopped by torchrun after it
+            sys.exit(SAID)
         if TERMINATED[0] not in codes or not set(codes) <= set(TERMINATED):
             raise
         ranks = ", ".join(map(str, sorted(failed.failures)))
