@@ -13,11 +13,11 @@ is_yes() {
   exit 2
 }
 
-# `whole_number NAME`: the variable NAME, when set, is a whole number of at least 1; anything else
-# ends the script with one line and exit 2.
+# `whole_number NAME [NOTE]`: the variable NAME, when set, is a whole number of at least 1; anything
+# else ends the script with one line (NOTE after it) and exit 2.
 whole_number() {
   if [[ -n "${!1+set}" && ! "${!1}" =~ ^[1-9][0-9]*$ ]]; then
-    echo "error: $1=${!1} is not a whole number of at least 1" >&2
+    echo "error: $1=${!1} is not a whole number of at least 1${2:-}" >&2
     exit 2
   fi
 }
@@ -65,12 +65,12 @@ names_a_file() {
   fi
 }
 
-# `node_range NAME`: the variable NAME, when set, is a node count N or an elastic range MIN:MAX
-# (1 <= MIN <= MAX); anything else ends the script with one line and exit 2.
+# `node_range NAME [NOTE]`: the variable NAME, when set, is a node count N or an elastic range MIN:MAX
+# (1 <= MIN <= MAX); anything else ends the script with one line (NOTE after it) and exit 2.
 node_range() {
   if [[ -n "${!1+set}" ]] && ! [[ "${!1}" =~ ^([1-9][0-9]*)(:([1-9][0-9]*))?$ &&
     ( -z "${BASH_REMATCH[3]}" || "${BASH_REMATCH[1]}" -le "${BASH_REMATCH[3]}" ) ]]; then
-    echo "error: $1=${!1} is not a node count N or a range MIN:MAX of at least 1 (e.g. 2 or 1:4)" >&2
+    echo "error: $1=${!1} is not a node count N or a range MIN:MAX of at least 1 (e.g. 2 or 1:4)${2:-}" >&2
     exit 2
   fi
 }

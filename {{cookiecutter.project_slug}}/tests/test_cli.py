@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from {{ cookiecutter.project_slug }}.errors import Interrupted, interruptible
+from {{ cookiecutter.project_slug }}.cli import run_cli
+from {{ cookiecutter.project_slug }}.errors import Interrupted, RunFinished, interruptible
 
 from conftest import ENTRIES, ROOT, SLUG, error_lines, free_port, launch_entry, worker_error_lines
 
@@ -115,6 +116,22 @@ def test_the_torchrun_module_ends_with_2_and_no_report_where_every_failed_worker
         assert sorted(proc.stderr.strip().splitlines()) == said, proc.stderr[-3000:]
     else:  # a crash keeps torchrun's report
         assert "exitcode  : 1" in proc.stderr and "Traceback" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_already_done_is_said_once_by_the_job(monkeypatch, capsys, rank):
+    """Every rank finds the run finished and exits 0; only rank 0 says so."""
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(sys, "argv", ["train", "--config", str(ROOT / "configs" / "train.yaml")])
+
+    def finished(cfg):
+        raise RunFinished("already done at step 4: runs/x/final_model (nothing changed)")
+
+    with pytest.raises(SystemExit) as ended:
+        run_cli(finished)
+    said = capsys.readouterr()
+    assert ended.value.code == 0 and said.err == ""
+    assert said.out == ("already done at step 4: runs/x/final_model (nothing changed)\n" if rank == "0" else "")
 
 
 def test_a_signal_in_an_interruptible_block_comes_out_as_interrupted_whatever_a_library_makes_of_it():

@@ -5,11 +5,14 @@ on stderr naming what is wrong (the file and line or example, the variable), fro
 import json
 import re
 import subprocess
+import time
 
 import pytest
+import torch.distributed as dist
 
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
-from {{ cookiecutter.project_slug }}.distributed import dist_env
+from {{ cookiecutter.project_slug }}.distributed import dist_env, init_distributed
+from {{ cookiecutter.project_slug }}.errors import JobFailed
 from {{ cookiecutter.project_slug }}.extras import BAKED
 from {{ cookiecutter.project_slug }}.model import load_tokenizer
 from {{ cookiecutter.project_slug }}.prepare import prepare
@@ -147,6 +150,24 @@ def test_a_classification_head_of_other_classes_is_one_line(tmp_path):
         model_config(cfg, tokenizer, 3)
 
 
+@pytest.mark.parametrize("given,finished", [("run", True), ("run/checkpoints", True), ("run/checkpoints/step_2", True),
+                                            ("run/checkpoints/step_2", False)],
+                         ids=["run", "checkpoints", "checkpoint", "checkpoint_of_an_unfinished_run"])
+def test_a_run_or_checkpoint_given_as_the_model_names_its_final_model_and_the_resume(tmp_path, given, finished):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    (run / "checkpoints" / "step_2" / "state.json").write_text("{}")
+    if finished:
+        (run / "final_model").mkdir()
+    cfg = load_config(["--config", CONFIG, "--model_name_or_path", str(tmp_path / given)])
+    resume = str(tmp_path / given) if given.endswith("step_2") else "auto"
+    final = f"model_name_or_path {run / 'final_model'} (its final model), or " if finished else ""
+    with pytest.raises(ConfigError) as err:
+        load_tokenizer(cfg)
+    assert str(err.value) == (f"{str(tmp_path / given)!r} is the output of a training run, not a model: use {final}"
+                              f"continue that run with --output_dir {run} --resume_from_checkpoint {resume}")
+
+
 def test_max_seq_len_must_leave_room_for_text():
     cfg = load_config(["--config", CONFIG, "--max_seq_len", "2"])
     with pytest.raises(ConfigError, match="max_seq_len 2 leaves no room for text: the tokenizer adds 2 special"):
@@ -190,6 +211,23 @@ def test_launch_variables_are_checked(monkeypatch, variables, expected):
         monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=re.escape(expected)):
         dist_env()
+
+
+def test_a_process_late_for_the_group_is_one_line_naming_the_wait_that_ran_out(monkeypatch):
+    """Under torchrun the store is the agent's, up at once: the wait that runs out is the process
+    group's, bounded by collective_timeout_s (2 s here, not rendezvous_timeout_s's 300)."""
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841 (kept open)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                        "TORCHELASTIC_RESTART_COUNT": "0", "DIST_BACKEND": "gloo"}.items():
+        monkeypatch.setenv(name, value)
+    start = time.monotonic()
+    with pytest.raises(JobFailed) as err:
+        init_distributed(dist_env(), 300, 2)
+    assert time.monotonic() - start < 60 and not dist.is_initialized()
+    assert str(err.value).startswith(f"rank 0 waited 2 s for the 2 processes of this job at 127.0.0.1:{port} ("), err
+    assert str(err.value).endswith("or raise --collective_timeout_s"), err
 
 
 @pytest.mark.slow

@@ -108,9 +108,11 @@ def init_distributed(env: DistEnv, rendezvous_timeout_s: float, collective_timeo
     # DIST_BACKEND overrides: nccl refuses two ranks on one GPU, gloo (slower) does not
     backend = os.environ.get("DIST_BACKEND") or ("nccl" if env.device.type == "cuda" else "gloo")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    waited = ("rendezvous_timeout_s", rendezvous_timeout_s)
     try:
         store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size,
                                            timeout=timedelta(seconds=rendezvous_timeout_s)))
+        waited = ("collective_timeout_s", collective_timeout_s)  # torchrun's store is up at once: the group waits
         # nccl bound to this rank's GPU at once (device_id): no guessing the device at the first collective
         dist.init_process_group(backend=backend, store=dist.PrefixStore(f"attempt_{attempt}/", store),
                                 rank=env.rank, world_size=env.world_size,
@@ -118,9 +120,9 @@ def init_distributed(env: DistEnv, rendezvous_timeout_s: float, collective_timeo
                                 device_id=env.device if backend == "nccl" else None)
     except dist.DistError as err:
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        raise JobFailed(f"rank {env.rank} waited {rendezvous_timeout_s:g} s for the {env.world_size} processes of "
+        raise JobFailed(f"rank {env.rank} waited {waited[1]:g} s for the {env.world_size} processes of "
                         f"this job at {where} ({first_line(err)}); start all of them (torchrun --nproc_per_node, one "
-                        "agent per node), or raise --rendezvous_timeout_s") from None
+                        f"agent per node), or raise --{waited[0]}") from None
 
 
 def free_port() -> int:

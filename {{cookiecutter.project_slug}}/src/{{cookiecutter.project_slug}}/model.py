@@ -25,6 +25,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.modeling_outputs import CausalLMOutput, SequenceClassifierOutput
 
 from . import ASSETS
+from .checkpoint import FINAL_DIR
 from .config import TrainConfig
 from .data import IGNORE_INDEX
 from .errors import ConfigError, first_line
@@ -36,7 +37,14 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _hub_error(name: str, err: Exception) -> ConfigError:
-    where = "local path" if Path(name).exists() else "model"
+    path = Path(name)  # a run's folder, its checkpoints/ or a checkpoint in it: what was meant instead
+    run, resume = (path.parent.parent, name) if path.parent.name == "checkpoints" else (
+        path.parent if path.name == "checkpoints" else path, "auto")
+    if (run / "checkpoints").is_dir() or (run / FINAL_DIR).is_dir():
+        final = f"model_name_or_path {run / FINAL_DIR} (its final model), or " if (run / FINAL_DIR).is_dir() else ""
+        return ConfigError(f"{name!r} is the output of a training run, not a model: use {final}continue that run "
+                           f"with --output_dir {run} --resume_from_checkpoint {resume}")
+    where = "local path" if path.exists() else "model"
     return ConfigError(f"cannot load {where} {name!r} ({first_line(err)}); use model_name_or_path: tiny, a local path, "
                        "or a hub name while the hub is reachable")
 
