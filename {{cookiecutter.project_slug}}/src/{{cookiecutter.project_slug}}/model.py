@@ -37,14 +37,13 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _hub_error(name: str, err: Exception) -> ConfigError:
-    path = Path(name)  # a run's folder, its checkpoints/ or a checkpoint in it: what was meant instead
-    run, resume = (path.parent.parent, name) if path.parent.name == "checkpoints" else (
-        path.parent if path.name == "checkpoints" else path, "auto")
+    p = Path(name)  # a run's folder, its checkpoints/ or a checkpoint in it: not a model
+    run = p.parent.parent if p.parent.name == "checkpoints" else p.parent if p.name == "checkpoints" else p
     if (run / "checkpoints").is_dir() or (run / FINAL_DIR).is_dir():
-        final = f"model_name_or_path {run / FINAL_DIR} (its final model), or " if (run / FINAL_DIR).is_dir() else ""
-        return ConfigError(f"{name!r} is the output of a training run, not a model: use {final}continue that run "
-                           f"with --output_dir {run} --resume_from_checkpoint {resume}")
-    where = "local path" if path.exists() else "model"
+        return ConfigError(f"{name!r} is the output of a training run, not a model: use its final model (model_name_or_"
+                           f"path {run / FINAL_DIR}, once the run is finished), or continue the run with --output_dir "
+                           f"{run} --resume_from_checkpoint {name if run == p.parent.parent else 'auto'}")
+    where = "local path" if p.exists() else "model"
     return ConfigError(f"cannot load {where} {name!r} ({first_line(err)}); use model_name_or_path: tiny, a local path, "
                        "or a hub name while the hub is reachable")
 
