@@ -88,20 +88,24 @@ def test_a_configuration_error_under_train_local_is_exit_2_and_the_workers_line_
     assert proc.stderr.strip().splitlines() == error_lines(proc.stderr), proc.stderr[-3000:]  # no report, no note
 
 
-# A worker per rank: None sleeps (torchrun stops it once another failed); a number is its exit code,
-# after its line (SIGTERM ignored: torchrun, seeing the other fail first, cannot cut it short).
+# A worker per rank: None sleeps (torchrun stops it once another failed); "killed" takes no SIGTERM and
+# is killed (as torchrun does after its 30 s shutdown timeout; here by itself, after 1 s); a number is
+# its exit code, after its line (SIGTERM ignored: torchrun, seeing the other fail first, cannot cut it short).
 WORKER = """import os, signal, sys, time
 code = CODES[int(os.environ["RANK"])]
 if code is None:
     time.sleep(60)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if code == "killed":
+    time.sleep(1)
+    os.kill(os.getpid(), signal.SIGKILL)
 sys.stderr.write(f"error: rank {os.environ['RANK']} exits {code}\\n")  # one write: the lines do not mix
 sys.exit(code)
 """
 
 
-@pytest.mark.parametrize("codes,expected", [((2, 2), 2), ((None, 2), 2), ((1, None), 1)],
-                         ids=["both_2", "one_2_one_stopped", "a_crash"])
+@pytest.mark.parametrize("codes,expected", [((2, 2), 2), ((None, 2), 2), ((2, "killed"), 2), ((1, None), 1)],
+                         ids=["both_2", "one_2_one_stopped", "one_2_one_killed", "a_crash"])
 def test_the_torchrun_module_ends_with_2_and_no_report_where_every_failed_worker_said_its_line(env, tmp_path, codes,
                                                                                              expected):
     worker = tmp_path / "worker.py"
@@ -111,7 +115,7 @@ def test_the_torchrun_module_ends_with_2_and_no_report_where_every_failed_worker
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == expected, proc.stderr[-3000:]
     said = sorted(error_lines(proc.stderr))
-    assert said == [f"error: rank {rank} exits {code}" for rank, code in enumerate(codes) if code is not None], said
+    assert said == [f"error: rank {rank} exits {c}" for rank, c in enumerate(codes) if isinstance(c, int)], said
     if expected == 2:
         assert sorted(proc.stderr.strip().splitlines()) == said, proc.stderr[-3000:]
     else:  # a crash keeps torchrun's report

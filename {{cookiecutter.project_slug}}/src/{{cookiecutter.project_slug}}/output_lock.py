@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .distributed import DistEnv, print0
-from .errors import ConfigError
+from .errors import ConfigError, disk_full
 
 LOCK_FILE = ".lock"
 HEARTBEAT_S, STALE_S = 15.0, 60.0
@@ -103,6 +103,9 @@ class OutputLock:
         except FileExistsError:  # another job wrote its lock since the check: it holds the folder now
             gone = self.check()
             self._write()
+        except OSError as err:  # the run's first write: a full disk (quota, file size limit) is one line
+            raise ConfigError(f"output_dir {self.path.parent}: cannot write {LOCK_FILE} ({err.strerror or err}); "
+                              + ("free space there" if disk_full(err) else "choose a folder to write to")) from None
         if gone is not None:
             print0(f"note: output_dir {self.path.parent} was held by a job that is gone ({describe(gone)}); "
                    "taking it over")
@@ -113,8 +116,8 @@ class OutputLock:
     def _write(self, exclusive: bool = False) -> None:
         """The lock file written whole; `exclusive`: only where there is none (FileExistsError)."""
         tmp = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}")
-        tmp.write_text(json.dumps({**self.mine, "heartbeat": time.time()}))
         try:
+            tmp.write_text(json.dumps({**self.mine, "heartbeat": time.time()}))
             if exclusive:
                 os.link(tmp, self.path)
             else:

@@ -18,23 +18,15 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.run import main, parse_args
 
-# A worker's exit codes after SIGTERM: its own (Session.stopped, errors.Interrupted), or the signal's
-# when torchrun, seeing the first worker end, stopped one that was already on its way out.
-TERMINATED = (128 + signal.SIGTERM, -signal.SIGTERM)
+TERMINATED = (128 + signal.SIGTERM, -signal.SIGTERM)  # a worker's after SIGTERM: its own 143, or the signal's
 SAID = 2  # a worker's configuration error (cli.run_cli) or the doctor's failed check: its own line says it all
 
 
-class _SaidByTheLine(logging.Filter):
-    """Drops torchrun's notes of what the one line says (a worker's exit code among `codes`, signals)."""
-
-    def __init__(self, codes: tuple[int, ...]):
-        super().__init__()
-        self.codes = codes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        said = record.msg.startswith("failed (exitcode") and record.args[0] in self.codes
-        return not said and not any(note in record.msg for note in ("death signal", "closing signal",
-                                                                     "has failed to shutdown the rendezvous"))
+def said_by_the_line(record: logging.LogRecord) -> bool:
+    """False for torchrun's notes of what the one line says (a worker's exit code SAID or TERMINATED, signals)."""
+    said = record.msg.startswith("failed (exitcode") and record.args[0] in (*TERMINATED, SAID)
+    return not said and not any(note in record.msg for note in ("death signal", "closing signal", "forcefully exiting",
+                                                                 "has failed to shutdown the rendezvous"))
 
 
 def rendezvous_failure(error: RendezvousError, endpoint: str, nnodes: str) -> str:
@@ -54,10 +46,9 @@ def rendezvous_failure(error: RendezvousError, endpoint: str, nnodes: str) -> st
 
 if __name__ == "__main__":
     args = parse_args(sys.argv[1:])
-    said = _SaidByTheLine((*TERMINATED, SAID))
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api",
                  "torch.distributed.elastic.rendezvous.dynamic_rendezvous"):
-        logging.getLogger(name).addFilter(said)
+        logging.getLogger(name).addFilter(said_by_the_line)
     try:
         main()
     except (SignalException, KeyboardInterrupt) as stop:
@@ -71,7 +62,8 @@ if __name__ == "__main__":
         sys.exit(1)
     except ChildFailedError as failed:
         codes = [failure.exitcode for failure in failed.failures.values()]
-        if SAID in codes and set(codes) <= {SAID, -signal.SIGTERM}:  # the rest stopped by torchrun after it
+        # the others stopped by torchrun after it (SIGKILL: they took SIGTERM as a request to stop at a step)
+        if SAID in codes and set(codes) <= {SAID, -signal.SIGTERM, -signal.SIGKILL}:
             sys.exit(SAID)
         if TERMINATED[0] not in codes or not set(codes) <= set(TERMINATED):
             raise
