@@ -4,6 +4,8 @@ Standard library only; answers are read through `tojson` so no answer can break 
 """
 
 import json
+import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -87,8 +89,10 @@ def main() -> None:
         ("slurm", "  sbatch scripts/slurm/torchrun.sbatch   # on a SLURM cluster\n"),
         ("kubernetes", "  kubectl apply -f k8s/jobset.yaml      # on Kubernetes (or k8s/trainjob.yaml)\n"),
         ("skypilot", "  sky jobs launch sky/train.yaml        # through SkyPilot\n")) if name in launchers]
-    print(f"\nCreated {ANSWERS['project_name']!r} in ./{SLUG}. Next:\n"
-          f"  cd {SLUG}\n"
+    project = Path.cwd()  # cookiecutter runs this hook inside the new project, wherever -o put it
+    shown = f"./{SLUG}" if Path(os.environ.get("PWD", "/")).resolve() == project.parent else shlex.quote(str(project))
+    print(f"\nCreated {ANSWERS['project_name']!r} in {shown}. Next:\n"
+          f"  cd {shown}\n"
           "  make install        # .venv with torch and this package\n"
           "  make train          # torchrun on this machine (every GPU, or 2 CPU processes)\n"
           + "".join(clusters))

@@ -1,14 +1,17 @@
 """The hooks: every bad answer is refused with one clear line and nothing left on disk; a
-project name full of quotes and shell syntax is accepted and quoted safely everywhere."""
+project name full of quotes and shell syntax is accepted and quoted safely everywhere; the closing
+message names where the project is."""
 
 import json
+import os
 import py_compile
 import subprocess
+import sys
 import tomllib
 
 import pytest
 import yaml
-from conftest import bake_cli, project_files
+from conftest import TEMPLATE, bake_cli, project_files
 
 BAD_ANSWERS = [
     ({"project_slug": "my-project"}, "project_slug 'my-project' is not a Python identifier"),
@@ -92,6 +95,22 @@ def test_unknown_choice_is_refused_by_cookiecutter(tmp_path):
 def test_good_answers_are_accepted(tmp_path, answers):
     proc = bake_cli(tmp_path, **answers)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("elsewhere", [False, True], ids=["here", "elsewhere"])
+def test_the_closing_message_names_where_the_project_is(tmp_path, elsewhere):
+    """`cd` into the project as the message says, from the shell's folder: ./<slug> where it was
+    made there, else its whole path (-o put it elsewhere)."""
+    here, out = tmp_path / "here", tmp_path / ("there" if elsewhere else "here")
+    for folder in {here, out}:
+        folder.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "cookiecutter", str(TEMPLATE), "--no-input", "-o", str(out),
+                           "project_slug=acme_train"], cwd=here, env={**os.environ, "PWD": str(here)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    shown = str(out / "acme_train") if elsewhere else "./acme_train"
+    assert f"in {shown}. Next:\n  cd {shown}\n" in proc.stdout, proc.stdout
+    assert (here / shown).is_dir()
 
 
 HOSTILE_NAME = 'Evil "Proj" \'x\' $(touch PWNED1) `touch PWNED2` \\ """ #'

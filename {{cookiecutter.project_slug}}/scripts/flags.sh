@@ -13,11 +13,11 @@ is_yes() {
   exit 2
 }
 
-# `whole_number NAME`: the variable NAME, when set, is a whole number of at least 1; anything else
-# ends the script with one line and exit 2.
+# `whole_number NAME [NOTE]`: the variable NAME, when set, is a whole number of at least 1; anything
+# else ends the script with one line (NOTE after it) and exit 2.
 whole_number() {
   if [[ -n "${!1+set}" && ! "${!1}" =~ ^[1-9][0-9]*$ ]]; then
-    echo "error: $1=${!1} is not a whole number of at least 1" >&2
+    echo "error: $1=${!1} is not a whole number of at least 1${2:-}" >&2
     exit 2
   fi
 }
@@ -65,12 +65,12 @@ names_a_file() {
   fi
 }
 
-# `node_range NAME`: the variable NAME, when set, is a node count N or an elastic range MIN:MAX
-# (1 <= MIN <= MAX); anything else ends the script with one line and exit 2.
+# `node_range NAME [NOTE]`: the variable NAME, when set, is a node count N or an elastic range MIN:MAX
+# (1 <= MIN <= MAX); anything else ends the script with one line (NOTE after it) and exit 2.
 node_range() {
   if [[ -n "${!1+set}" ]] && ! [[ "${!1}" =~ ^([1-9][0-9]*)(:([1-9][0-9]*))?$ &&
     ( -z "${BASH_REMATCH[3]}" || "${BASH_REMATCH[1]}" -le "${BASH_REMATCH[3]}" ) ]]; then
-    echo "error: $1=${!1} is not a node count N or a range MIN:MAX of at least 1 (e.g. 2 or 1:4)" >&2
+    echo "error: $1=${!1} is not a node count N or a range MIN:MAX of at least 1 (e.g. 2 or 1:4)${2:-}" >&2
     exit 2
   fi
 }
@@ -103,6 +103,7 @@ entry_module() {
 # torchrun's guess from the host's names (the first to start holds it where several guess so).
 # shellcheck disable=SC2034  # TORCHRUN_ARGS is read by the scripts that source this file
 torchrun_args() {
+  rendezvous_conf
   local conf=${1:+is_host=$1}
   conf+=${RDZV_CONF:+${conf:+,}$RDZV_CONF}
   TORCHRUN_ARGS=(--nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
@@ -115,4 +116,25 @@ torchrun_args() {
     # dynamic rendezvous): each round publishes its own, the processes' address being the first node's name.
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
   fi
+}
+
+# `rendezvous_conf`: RDZV_CONF, when set, is key=value,... of the c10d rendezvous's settings (torch
+# ignores a key it does not know, and a malformed one ends torchrun with a traceback); else one line
+# and exit 2.
+rendezvous_conf() {
+  local item items
+  if [[ -z "${RDZV_CONF:-}" ]]; then
+    return
+  fi
+  IFS=, read -r -a items <<< "$RDZV_CONF,"  # a comma after the last item keeps an empty one before it
+  for item in "${items[@]}"; do
+    if ! [[ "$item" =~ ^(join|last_call|close|heartbeat|read)_timeout=[1-9][0-9]*$ ||
+            "$item" =~ ^keep_alive_(interval|max_attempt)=[1-9][0-9]*$ || "${item,,}" =~ ^is_host=(0|1|true|false)$ ||
+            "$item" =~ ^store_type=(tcp|file)$ ]]; then
+      echo "error: RDZV_CONF=$RDZV_CONF: '$item' is not a rendezvous setting; use key=value,... of join_timeout," \
+           "last_call_timeout, close_timeout, heartbeat_timeout, read_timeout, keep_alive_interval," \
+           "keep_alive_max_attempt (whole numbers of at least 1), is_host (true or false), store_type (tcp or file)" >&2
+      exit 2
+    fi
+  done
 }

@@ -22,35 +22,50 @@ cd "$(dirname "$0")/.."
 source scripts/flags.sh
 
 # `given_by CONTROLLER NAME...`: each variable NAME, which CONTROLLER sets on every node, is set and
-# not empty; else one line and exit 2.
+# not blank; else one line and exit 2.
 given_by() {
-  local controller=$1 name
+  local controller=$1 name value
   shift
   for name in "$@"; do
-    if [[ -z "${!name:-}" ]]; then
+    value=${!name:-}
+    if [[ -z "${value//[[:space:]]/}" ]]; then
       echo "error: $name is not set; $controller sets it on every node (scripts/node_launch.sh runs there)" >&2
       exit 2
     fi
   done
 }
 
+# `take NAME SOURCE CHECK`: NAME, unless set, takes the value of the controller's variable SOURCE,
+# which CHECK (scripts/flags.sh) checks under its own name: a line names the variable that was set.
+declare -A TAKEN=()
+take() {
+  if [[ -z "${!1:-}" ]]; then
+    "$3" "$2" "; $1 overrides it"
+    printf -v "$1" '%s' "${!2}"
+    TAKEN[$1]=$2
+  fi
+}
+
 if [[ -n "${PET_NODE_RANK+set}" ]]; then
-  controller="a TrainJob (Kubeflow Trainer's torch runtime)"
+  controller="a TrainJob (Kubeflow Trainer's torch runtime)" rank_name=PET_NODE_RANK
   given_by "$controller" PET_NODE_RANK PET_NNODES PET_MASTER_ADDR PET_MASTER_PORT PET_NPROC_PER_NODE
   count_of PET_NODE_RANK
+  a_port PET_MASTER_PORT
   NODE_RANK=$PET_NODE_RANK HEAD=$PET_MASTER_ADDR MASTER_PORT=$PET_MASTER_PORT
-  NNODES=${NNODES:-$PET_NNODES}
-  NPROC_PER_NODE=${NPROC_PER_NODE:-$PET_NPROC_PER_NODE}
+  take NNODES PET_NNODES node_range
+  take NPROC_PER_NODE PET_NPROC_PER_NODE whole_number
 elif [[ -n "${SKYPILOT_NODE_RANK+set}" ]]; then
-  controller="SkyPilot"
+  controller="SkyPilot" rank_name=SKYPILOT_NODE_RANK
   given_by "$controller" SKYPILOT_NODE_RANK SKYPILOT_NUM_NODES SKYPILOT_NODE_IPS SKYPILOT_NUM_GPUS_PER_NODE
   count_of SKYPILOT_NODE_RANK
-  NODE_RANK=$SKYPILOT_NODE_RANK HEAD=${SKYPILOT_NODE_IPS%%$'\n'*}
-  NNODES=${NNODES:-$SKYPILOT_NUM_NODES}
-  NPROC_PER_NODE=${NPROC_PER_NODE:-$SKYPILOT_NUM_GPUS_PER_NODE}
+  # the head's address comes first; SkyPilot writes one a line (spaces and blank lines are taken too)
+  read -r -d '' -a ips <<< "$SKYPILOT_NODE_IPS" || true
+  NODE_RANK=$SKYPILOT_NODE_RANK HEAD=${ips[0]}
+  take NNODES SKYPILOT_NUM_NODES node_range
+  take NPROC_PER_NODE SKYPILOT_NUM_GPUS_PER_NODE whole_number
   RUN_ID=${RUN_ID:-${SKYPILOT_TASK_ID:-}}
 elif [[ -n "${JOB_COMPLETION_INDEX+set}" ]]; then
-  controller="k8s/jobset.yaml"
+  controller="k8s/jobset.yaml" rank_name=JOB_COMPLETION_INDEX
   given_by "the Job of a JobSet" JOB_COMPLETION_INDEX
   count_of JOB_COMPLETION_INDEX
   given_by "$controller" NNODES NPROC_PER_NODE MASTER_ADDR
@@ -62,6 +77,12 @@ else
 fi
 node_range NNODES
 whole_number NPROC_PER_NODE
+if ((NODE_RANK >= ${NNODES##*:})); then
+  echo "error: $rank_name=$NODE_RANK is not a node rank of ${TAKEN[NNODES]:-NNODES}=$NNODES (0 to" \
+       "$((${NNODES##*:} - 1))): the job has more nodes than that; make NNODES and the node count of" \
+       "$controller agree" >&2
+  exit 2
+fi
 MASTER_PORT=${MASTER_PORT:-29500}
 a_port MASTER_PORT
 MAX_RESTARTS=${MAX_RESTARTS:-1}

@@ -1,16 +1,20 @@
 """Mistakes a user can make at launch: exit code 2 and one line on stderr from each process,
 no traceback, before any process waits on another. Under torchrun the launcher reports the failed
-workers with its own code (1) and each worker's line appears in its output."""
+workers with its own code (1) and each worker's line appears in its output; the project's own
+launch (scripts/train_local.sh, through the torchrun module) ends with 2 and their line alone."""
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from {{ cookiecutter.project_slug }}.errors import Interrupted, interruptible
+from {{ cookiecutter.project_slug }}.cli import run_cli
+from {{ cookiecutter.project_slug }}.errors import Interrupted, RunFinished, interruptible
 
-from conftest import ENTRIES, GPUS, error_lines, launch_entry, worker_error_lines
+from conftest import ENTRIES, GPUS, ROOT, SLUG, error_lines, free_port, launch_entry, worker_error_lines
 
 
 def launch(entry, nproc, args, env, tmp_path):
@@ -72,6 +76,66 @@ def test_workers_report_their_error_under_torchrun(entry, env, tmp_path):
                 "use a multiple of 6 or another micro_batch_size")
     worker_error_lines(output, expected)
     assert "exitcode  : 2" in output
+
+
+@pytest.mark.slow
+def test_a_configuration_error_under_train_local_is_exit_2_and_the_workers_line_alone(env, tmp_path):
+    proc = subprocess.run(["scripts/train_local.sh", "--global_batch_size", "16", "--micro_batch_size", "3",
+                           "--report_to", "none", "--output_dir", str(tmp_path / "out")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180, env={**env, "NPROC_PER_NODE": "2", "PYTHON": sys.executable})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    worker_error_lines(proc.stderr, "error: global_batch_size 16 is not divisible by micro_batch_size 3 x world_size 2")
+    assert proc.stderr.strip().splitlines() == error_lines(proc.stderr), proc.stderr[-3000:]  # no report, no note
+
+
+# A worker per rank: None sleeps (torchrun stops it once another failed); "killed" takes no SIGTERM and
+# is killed (as torchrun does after its 30 s shutdown timeout; here by itself, after 1 s); a number is
+# its exit code, after its line (SIGTERM ignored: torchrun, seeing the other fail first, cannot cut it short).
+WORKER = """import os, signal, sys, time
+code = CODES[int(os.environ["RANK"])]
+if code is None:
+    time.sleep(60)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if code == "killed":
+    time.sleep(1)
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.stderr.write(f"error: rank {os.environ['RANK']} exits {code}\\n")  # one write: the lines do not mix
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("codes,expected", [((2, 2), 2), ((None, 2), 2), ((2, "killed"), 2), ((1, None), 1)],
+                         ids=["both_2", "one_2_one_stopped", "one_2_one_killed", "a_crash"])
+def test_the_torchrun_module_ends_with_2_and_no_report_where_every_failed_worker_said_its_line(env, tmp_path, codes,
+                                                                                             expected):
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER.replace("CODES", repr(codes)))
+    proc = subprocess.run([sys.executable, "-m", f"{SLUG}.torchrun", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(free_port()), str(worker)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == expected, proc.stderr[-3000:]
+    said = sorted(error_lines(proc.stderr))
+    assert said == [f"error: rank {rank} exits {c}" for rank, c in enumerate(codes) if isinstance(c, int)], said
+    if expected == 2:
+        assert sorted(proc.stderr.strip().splitlines()) == said, proc.stderr[-3000:]
+    else:  # a crash keeps torchrun's report
+        assert "exitcode  : 1" in proc.stderr and "Traceback" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_already_done_is_said_once_by_the_job(monkeypatch, capsys, rank):
+    """Every rank finds the run finished and exits 0; only rank 0 says so."""
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(sys, "argv", ["train", "--config", str(ROOT / "configs" / "train.yaml")])
+
+    def finished(cfg):
+        raise RunFinished("already done at step 4: runs/x/final_model (nothing changed)")
+
+    with pytest.raises(SystemExit) as ended:
+        run_cli(finished)
+    said = capsys.readouterr()
+    assert ended.value.code == 0 and said.err == ""
+    assert said.out == ("already done at step 4: runs/x/final_model (nothing changed)\n" if rank == "0" else "")
 
 
 def test_a_signal_in_an_interruptible_block_comes_out_as_interrupted_whatever_a_library_makes_of_it():

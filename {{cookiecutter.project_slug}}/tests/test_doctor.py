@@ -145,6 +145,15 @@ def test_the_doctor_of_a_world_size_that_training_refuses_is_one_line_and_exit_2
     one_error_line(proc, f"error: {PLAN}")
 
 
+def test_an_interface_the_host_lacks_is_the_doctors_one_line_and_exit_2(env):
+    """Rank 0 of 2, alone: GLOO_SOCKET_IFNAME misspelt is said before it waits for anyone."""
+    variables = {"GLOO_SOCKET_IFNAME": "eht9", "DIST_BACKEND": "gloo"}
+    proc = subprocess.run([sys.executable, "-m", f"{SLUG}.doctor"], cwd=ROOT, capture_output=True, text=True,
+                          env={**rank_env(env, 0, 2, free_port()), **variables}, timeout=TIMEOUT_S)
+    one_error_line(proc, f"error: GLOO_SOCKET_IFNAME=eht9 names 'eht9', which host {HOST} lacks; it has "
+                         f"{', '.join(name for _, name in socket.if_nameindex())}: name one of them")
+
+
 SBATCH = sorted((ROOT / "scripts" / "slurm").glob("*.sbatch"))
 
 

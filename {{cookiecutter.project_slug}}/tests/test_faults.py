@@ -251,6 +251,7 @@ def test_a_full_disk_under_the_final_model_keeps_the_trained_weights_elsewhere(r
     again = runs.run(entry, 2, out, {**flags, "resume_from_checkpoint": "auto"})
     assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == (
         f"already done at step {ACCUM['max_steps']}: {out / 'final_model'} (nothing changed)"), again.stderr[-3000:]
+    assert again.stdout.count("already done") == 1  # said once by the job, not once per process
 
 
 @pytest.mark.slow

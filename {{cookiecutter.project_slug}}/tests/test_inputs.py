@@ -4,17 +4,31 @@ on stderr naming what is wrong (the file and line or example, the variable), fro
 
 import json
 import re
+import socket
 import subprocess
+import sys
+import time
 
 import pytest
+import torch.distributed as dist
 
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
-from {{ cookiecutter.project_slug }}.distributed import dist_env
+from {{ cookiecutter.project_slug }}.distributed import dist_env, init_distributed
+from {{ cookiecutter.project_slug }}.errors import JobFailed
 from {{ cookiecutter.project_slug }}.extras import BAKED
 from {{ cookiecutter.project_slug }}.model import load_tokenizer
 from {{ cookiecutter.project_slug }}.prepare import prepare
 
-from conftest import ENTRIES, ROOT, free_port, launch_cmd, one_error_line, run_entry, worker_error_lines
+from conftest import (
+    ENTRIES,
+    ROOT,
+    error_lines,
+    free_port,
+    launch_cmd,
+    one_error_line,
+    run_entry,
+    worker_error_lines,
+)
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 
@@ -187,6 +201,24 @@ def test_flash_attention_in_fp32_and_an_encoder_decoder_for_causal_lm_are_one_li
         model_config(cfg, load_tokenizer(cfg))
 
 
+@pytest.mark.parametrize("given,finished", [("run", True), ("run/checkpoints", True), ("run/checkpoints/step_2", True),
+                                            ("run/checkpoints/step_2", False)],
+                         ids=["run", "checkpoints", "checkpoint", "checkpoint_of_an_unfinished_run"])
+def test_a_run_or_checkpoint_given_as_the_model_names_its_final_model_and_the_resume(tmp_path, given, finished):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    (run / "checkpoints" / "step_2" / "state.json").write_text("{}")
+    if finished:
+        (run / "final_model").mkdir()
+    cfg = load_config(["--config", CONFIG, "--model_name_or_path", str(tmp_path / given)])
+    resume = str(tmp_path / given) if given.endswith("step_2") else "auto"
+    with pytest.raises(ConfigError) as err:
+        load_tokenizer(cfg)
+    assert str(err.value) == (f"{str(tmp_path / given)!r} is the output of a training run, not a model: use its "
+                              f"final model (model_name_or_path {run / 'final_model'}, once the run is finished), or "
+                              f"continue the run with --output_dir {run} --resume_from_checkpoint {resume}")
+
+
 def test_max_seq_len_must_leave_room_for_text():
     cfg = load_config(["--config", CONFIG, "--max_seq_len", "2"])
     with pytest.raises(ConfigError, match="max_seq_len 2 leaves no room for text: the tokenizer adds 2 special"):
@@ -230,6 +262,64 @@ def test_launch_variables_are_checked(monkeypatch, variables, expected):
         monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=re.escape(expected)):
         dist_env()
+
+
+INTERFACES = [
+    ({"GLOO_SOCKET_IFNAME": "eht9"}, "GLOO_SOCKET_IFNAME=eht9 names 'eht9', which host "),
+    ({"GLOO_SOCKET_IFNAME": "lo,eht9"}, "GLOO_SOCKET_IFNAME=lo,eht9 names 'eht9', which"),  # gloo uses each one
+    ({"DIST_BACKEND": "nccl", "NCCL_SOCKET_IFNAME": "eht9,ibx9"}, "NCCL_SOCKET_IFNAME=eht9,ibx9 names 'eht9', 'ibx9'"),
+    ({"DIST_BACKEND": "nccl", "NCCL_SOCKET_IFNAME": "=l"}, "NCCL_SOCKET_IFNAME==l names 'l', which host "),
+    ({"DIST_BACKEND": "nccl", "NCCL_SOCKET_IFNAME": "l,eht9"}, None),  # a prefix of lo: NCCL uses any that matches
+    ({"DIST_BACKEND": "nccl", "NCCL_SOCKET_IFNAME": "^eht9"}, None),  # the interfaces NCCL leaves out
+    ({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "eht9"}, None),  # gloo's job: NCCL's variable is not read
+]
+BACK_END = {"DIST_BACKEND": "gloo"}  # where no case names one (on GPUs too)
+
+
+@pytest.mark.parametrize("variables,expected", INTERFACES, ids=[" ".join(f"{k}={v}" for k, v in variables.items())
+                                                                for variables, _ in INTERFACES])
+def test_an_interface_the_host_lacks_is_one_line_naming_those_it_has(monkeypatch, variables, expected):
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "DIST_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", **BACK_END, **variables}.items():
+        monkeypatch.setenv(name, value)
+    if expected is None:
+        assert dist_env().world_size == 2
+        return
+    with pytest.raises(ConfigError) as err:
+        dist_env()
+    have = ", ".join(name for _, name in socket.if_nameindex())
+    assert str(err.value).startswith(expected), err
+    assert f"lacks; it has {have}: name one of them, or unset {expected.split('=')[0]}" in str(err.value)
+
+
+@pytest.mark.slow
+def test_an_interface_the_host_lacks_under_train_local_is_one_line_per_process_and_exit_2(env, tmp_path):
+    variables = {"NPROC_PER_NODE": "2", "PYTHON": sys.executable, "GLOO_SOCKET_IFNAME": "eht9", **BACK_END}
+    proc = subprocess.run(["scripts/train_local.sh", "--report_to", "none", "--output_dir", str(tmp_path / "o")],
+                          cwd=ROOT, env={**env, **variables}, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    worker_error_lines(proc.stderr, "error: GLOO_SOCKET_IFNAME=eht9 names 'eht9', which host ")
+    assert proc.stderr.strip().splitlines() == error_lines(proc.stderr), proc.stderr[-3000:]
+    assert not (tmp_path / "o").exists()  # refused before the run folder is made
+
+
+def test_a_process_late_for_the_group_is_one_line_naming_the_wait_that_ran_out(monkeypatch):
+    """Under torchrun the store is the agent's, up at once: the wait that runs out is the process
+    group's, bounded by collective_timeout_s (2 s here, not rendezvous_timeout_s's 300)."""
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841 (kept open)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                        "TORCHELASTIC_RESTART_COUNT": "0", "DIST_BACKEND": "gloo"}.items():
+        monkeypatch.setenv(name, value)
+    start = time.monotonic()
+    with pytest.raises(JobFailed) as err:
+        init_distributed(dist_env(), 300, 2)
+    assert time.monotonic() - start < 60 and not dist.is_initialized()
+    assert str(err.value).startswith(f"rank 0 waited 2 s for the 2 processes of this job at 127.0.0.1:{port} ("), err
+    assert str(err.value).endswith("or raise --collective_timeout_s"), err
 
 
 @pytest.mark.slow

@@ -176,6 +176,9 @@ JOBSET = {"JOB_COMPLETION_INDEX": "0", "NNODES": "2", "NPROC_PER_NODE": "4", "MA
 SKYPILOT = {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NUM_NODES": "3", "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n10.0.0.7",
             "SKYPILOT_NUM_GPUS_PER_NODE": "8", "SKYPILOT_TASK_ID": "sky-1"}
 
+SKYPILOT_TORCHRUN = ("--nnodes 3 --nproc_per_node 8 --max-restarts 1 --rdzv_backend c10d --rdzv_endpoint "
+                     "10.0.0.5:29500 --rdzv_id sky-1 --rdzv_conf is_host=0")
+
 
 @pytest.mark.parametrize("variables,torchrun,said,output", [
     (TRAINJOB, "--nnodes 4 --nproc_per_node 8 --max-restarts 1 --rdzv_backend c10d --rdzv_endpoint "
@@ -184,13 +187,17 @@ SKYPILOT = {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NUM_NODES": "3", "SKYPILOT_NODE
      "run job, output runs/job", "runs/job"),
     (JOBSET, "--nnodes 2 --nproc_per_node 4 --max-restarts 1 --rdzv_backend c10d --rdzv_endpoint js-node-0-0.js:29500 "
              "--rdzv_id js-node-0-0.js --rdzv_conf is_host=1", "node 0 of 2 (k8s/jobset.yaml)", "runs/js-node-0-0.js"),
-    (SKYPILOT, "--nnodes 3 --nproc_per_node 8 --max-restarts 1 --rdzv_backend c10d --rdzv_endpoint 10.0.0.5:29500 "
-               "--rdzv_id sky-1 --rdzv_conf is_host=0", "node 1 of 3 (SkyPilot)", "runs/sky-1"),
+    (SKYPILOT, SKYPILOT_TORCHRUN, "node 1 of 3 (SkyPilot)", "runs/sky-1"),
     ({**JOBSET, "NNODES": "1:4", "MAX_RESTARTS": "3", "OUTPUT_DIR": "/output"},
      "--nnodes 1:4 --nproc_per_node 4 --max-restarts 3 ", "node 0 of 1:4", "/output"),
     ({**TRAINJOB, "NNODES": "2:4", "NPROC_PER_NODE": "2"}, "--nnodes 2:4 --nproc_per_node 2 ", "node 2 of 2:4",
      "runs/job"),
-], ids=["trainjob", "jobset", "skypilot", "jobset-elastic", "trainjob-elastic"])
+    ({**SKYPILOT, "SKYPILOT_NODE_IPS": "10.0.0.5 10.0.0.6 10.0.0.7"}, SKYPILOT_TORCHRUN, "rendezvous 10.0.0.5:29500,",
+     "runs/sky-1"),
+    ({**SKYPILOT, "SKYPILOT_NODE_IPS": "\n 10.0.0.5\n10.0.0.6\n"}, SKYPILOT_TORCHRUN, "rendezvous 10.0.0.5:29500,",
+     "runs/sky-1"),
+], ids=["trainjob", "jobset", "skypilot", "jobset-elastic", "trainjob-elastic", "skypilot-ips-on-one-line",
+        "skypilot-ips-after-a-blank-line"])
 def test_each_controllers_variables_make_one_torchrun_command(env, variables, torchrun, said, output):
     proc = dry_run(env, **variables)
     assert proc.returncode == 0, proc.stderr
@@ -214,12 +221,25 @@ def test_each_controllers_variables_make_one_torchrun_command(env, variables, to
                                   "or 1:4)"),
     ({**JOBSET, "NNODES": "0"}, "error: NNODES=0 is not a node count N or a range MIN:MAX of at least 1"),
     ({**JOBSET, "JOB_COMPLETION_INDEX": "x"}, "error: JOB_COMPLETION_INDEX=x is not a whole number"),
-    ({**TRAINJOB, "PET_NPROC_PER_NODE": "auto"}, "error: NPROC_PER_NODE=auto is not a whole number of at least 1"),
+    ({**TRAINJOB, "PET_NPROC_PER_NODE": "auto"}, "error: PET_NPROC_PER_NODE=auto is not a whole number of at least 1; "
+                                                 "NPROC_PER_NODE overrides it"),
+    ({**SKYPILOT, "SKYPILOT_NUM_GPUS_PER_NODE": "0"}, "error: SKYPILOT_NUM_GPUS_PER_NODE=0 is not a whole number of at "
+                                                      "least 1; NPROC_PER_NODE overrides it"),
+    ({**TRAINJOB, "PET_MASTER_PORT": "abc"}, "error: PET_MASTER_PORT=abc is not a port (1-65535)"),
+    ({**SKYPILOT, "SKYPILOT_NODE_IPS": " \n"}, "error: SKYPILOT_NODE_IPS is not set; SkyPilot sets it"),
+    ({**JOBSET, "JOB_COMPLETION_INDEX": "3"}, "error: JOB_COMPLETION_INDEX=3 is not a node rank of NNODES=2 (0 to 1): "
+                                              "the job has more nodes than that; make NNODES and the node count of "
+                                              "k8s/jobset.yaml agree"),
+    ({**TRAINJOB, "PET_NODE_RANK": "4"}, "error: PET_NODE_RANK=4 is not a node rank of PET_NNODES=4 (0 to 3)"),
+    ({**SKYPILOT, "NNODES": "1:2", "SKYPILOT_NODE_RANK": "2"}, "error: SKYPILOT_NODE_RANK=2 is not a node rank of "
+                                                                "NNODES=1:2 (0 to 1)"),
     ({**SKYPILOT, "MAX_RESTARTS": "-1"}, "error: MAX_RESTARTS=-1 is not a whole number"),
     ({**JOBSET, "CONFIG": "configs/trian.yaml"},
      "error: CONFIG=configs/trian.yaml names configs/trian.yaml, which is not a file"),
 ], ids=["no-controller", "trainjob-no-master", "jobset-no-master", "skypilot-no-ips", "range-backwards",
-        "no-nodes", "rank-not-a-number", "nproc-auto", "restarts-negative", "config-missing"])
+        "no-nodes", "rank-not-a-number", "nproc-auto", "no-gpus", "trainjob-port", "skypilot-blank-ips",
+        "jobset-rank-beyond", "trainjob-rank-beyond", "skypilot-rank-beyond-the-range", "restarts-negative",
+        "config-missing"])
 def test_a_missing_or_bad_variable_is_one_line(env, variables, expected):
     proc = dry_run({k: v for k, v in env.items() if k != "MASTER_ADDR"}, **variables)
     assert proc.returncode == 2 and error_lines(proc.stderr) == proc.stderr.strip().splitlines(), proc.stderr

@@ -1,12 +1,14 @@
 """One job per run folder: output_dir/.lock names the holder; a second job is refused, the same job
 restarted takes over at once, a holder that is gone is taken over with one line."""
 
+import errno
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -187,6 +189,26 @@ def test_a_job_that_took_the_lock_meanwhile_wins(tmp_path, alone, monkeypatch):
     with pytest.raises(ConfigError, match="in use by another job"):
         lock.take(dist_env())
     assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getppid() and not lock.held
+
+
+@pytest.mark.parametrize("code,expected", [(errno.ENOSPC, "No space left on device); free space there"),
+                                           (errno.EIO, "Input/output error); choose a folder to write to")],
+                         ids=["full_disk", "other_error"])
+def test_a_lock_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, alone, monkeypatch, code, expected):
+    write_text = Path.write_text
+
+    def failing(path, *args, **kwargs):
+        if path.name.startswith(".lock"):
+            path.touch()  # as a file the disk had no room to fill
+            raise OSError(code, os.strerror(code))
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", failing)
+    lock = OutputLock(str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        lock.take(dist_env())
+    assert str(err.value) == f"output_dir {tmp_path}: cannot write .lock ({expected}"
+    assert list(tmp_path.iterdir()) == [] and not lock.held
 
 
 @pytest.mark.slow

@@ -12,13 +12,16 @@ section at the end of the pytest output.
 import math
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 import yaml
 from transformers import AutoConfig, AutoTokenizer
 
+from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.extras import BAKED
+from {{ cookiecutter.project_slug }}.session import Session
 
 from conftest import (
     ACCUM,
@@ -256,6 +259,33 @@ def test_metrics_jsonl_and_final_model(runs, entry):
     tokenizer = AutoTokenizer.from_pretrained(final)
     assert tokenizer.padding_side == "right" and tokenizer.pad_token == "[PAD]"
     assert torch.isfinite(run.params()["model.embed_tokens.weight"]).all()
+
+
+def test_an_eval_every_beyond_the_run_is_due_at_its_end(tmp_path):
+    """Session.eval_due (the hand loops) and the Trainer's eval_steps: every eval_every steps, at the
+    run's last step where that comes first."""
+    cfg = load_config(["--config", str(ROOT / "configs" / "train.yaml"), "--output_dir", str(tmp_path)])
+    for eval_every, total_steps, due in [(100, 3, [3]), (2, 5, [2, 4]), (3, 3, [3])]:
+        cfg.eval_every = eval_every
+        run = SimpleNamespace(total_steps=total_steps, plan=SimpleNamespace(micro_batch_size=2, grad_accum_steps=1),
+                              deepspeed=None, env=SimpleNamespace(device=torch.device("cpu")))
+        session = SimpleNamespace(cfg=cfg, run=run)
+        windows = [SimpleNamespace(step=step, ends_epoch=False) for step in range(1, total_steps + 1)]
+        assert [w.step for w in windows if Session.eval_due(session, w)] == due
+        if "trainer" in ENTRIES:
+            from {{ cookiecutter.project_slug }}.train_trainer import training_arguments
+
+            eval_steps = training_arguments(cfg, run).eval_steps
+            assert [step for step in range(1, total_steps + 1) if step % eval_steps == 0] == due
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_an_eval_every_beyond_the_run_evaluates_once_at_its_end(entry, env, tmp_path):
+    run = run_entry(entry, 1, tmp_path / "run", env, {"max_steps": 3, "micro_batch_size": 4, "global_batch_size": 8,
+                                                      "eval_every": 100})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [r["step"] for r in run.steps] == [1, 2, 3] and [e["step"] for e in run.evals] == [3]
 
 
 @pytest.mark.slow

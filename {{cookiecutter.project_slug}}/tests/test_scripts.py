@@ -85,6 +85,40 @@ def test_a_bad_launch_variable_is_one_line_before_anything_starts(env, script, v
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [expected], proc.stdout + proc.stderr
 
 
+RDZV_SCRIPTS = [s for s in ("scripts/train_local.sh", "scripts/slurm/torchrun.sbatch") if (ROOT / s).is_file()]
+RDZV_SETTINGS = ("use key=value,... of join_timeout, last_call_timeout, close_timeout, heartbeat_timeout, "
+                 "read_timeout, keep_alive_interval, keep_alive_max_attempt (whole numbers of at least 1), is_host "
+                 "(true or false), store_type (tcp or file)")
+
+
+def rdzv_dry_run(env, script: str, rdzv_conf: str) -> subprocess.CompletedProcess:
+    """A node of a job of 1 to 2 nodes (torchrun's c10d rendezvous), as DRY_RUN shows it."""
+    return subprocess.run(["bash", script, "--max_steps", "3"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**env, "DRY_RUN": "1", "PYTHON": "python3", "NNODES": "1:2", "NPROC_PER_NODE": "2",
+                               "MASTER_PORT": "29500", "RDZV_CONF": rdzv_conf})
+
+
+@pytest.mark.parametrize("script", RDZV_SCRIPTS)
+@pytest.mark.parametrize("rdzv_conf,item", [("join_timeout", "join_timeout"), ("join_timeout=abc", "join_timeout=abc"),
+                                            ("read_timeout=0", "read_timeout=0"), ("join_timout=60", "join_timout=60"),
+                                            ("join_timeout=60,", ""), ("last_call_timeout=5,,join_timeout=60", "")],
+                         ids=["no_value", "not_a_number", "zero", "misspelt_key", "trailing_comma", "empty_item"])
+def test_a_malformed_rdzv_conf_is_one_line_before_torchrun_starts(env, script, rdzv_conf, item):
+    """torch would end torchrun with a traceback (a key without a value, a timeout that is not a number) or
+    silently ignore a key it does not know."""
+    proc = rdzv_dry_run(env, script, rdzv_conf)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: RDZV_CONF={rdzv_conf}: '{item}' is not a rendezvous setting; "
+                                                f"{RDZV_SETTINGS}"]
+
+
+@pytest.mark.parametrize("script", RDZV_SCRIPTS)
+def test_rdzv_conf_settings_reach_torchrun(env, script):
+    proc = rdzv_dry_run(env, script, "join_timeout=60,last_call_timeout=5,is_host=True")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"--rdzv_conf join_timeout=60\\?,last_call_timeout=5\\?,is_host=True ", proc.stdout), proc.stdout
+
+
 def test_a_deepspeed_stage_without_its_files_is_one_line(env):
     script = ROOT / "scripts" / "slurm" / "deepspeed.sbatch"
     if not script.is_file():

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from .config import TrainConfig, load_config
-from .distributed import cleanup, lost_contact
+from .distributed import cleanup, lost_contact, print0
 from .errors import ConfigError, Interrupted, JobFailed, RunFinished, first_line
 from .extras import plug
 from .output_lock import release_held
@@ -31,7 +31,7 @@ def run_cli(train: Callable[[TrainConfig], int | None]) -> None:
         watch(cfg)  # before any process group exists
         code = train(cfg) or 0
     except RunFinished as done:
-        print(done, flush=True)
+        print0(str(done))  # every rank found it so; the job says it once
         sys.exit(0)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

@@ -115,7 +115,8 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
         "The device's peak TFLOP/s for MFU; 0 takes it from a table of common GPUs (none on CPU: no mfu).", 0.0,
         resume="free", data=False)
 
-    eval_every: int = key("Evaluate every N optimizer steps; 0 evaluates once per epoch.", 0, resume="free", data=False)
+    eval_every: int = key("Evaluate every N optimizer steps (N beyond the run: once, at its end); 0 evaluates once "
+                          "per epoch.", 0, resume="free", data=False)
     log_every: int = key(
         "Print the progress line every N optimizer steps (and after the last); 0: about 30 lines per run.", 0,
         resume="free", data=False)

@@ -44,6 +44,10 @@ class DistEnv:
     def num_nodes(self) -> int:
         return max(1, self.world_size // self.local_world_size)
 
+    @property
+    def backend(self) -> str:  # DIST_BACKEND overrides: nccl refuses two ranks on one GPU, gloo (slower) does not
+        return os.environ.get("DIST_BACKEND") or ("nccl" if self.device.type == "cuda" else "gloo")
+
 
 def _env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
@@ -61,7 +65,7 @@ def _env_int(name: str, default: int | None = None) -> int:
 
 def dist_env() -> DistEnv:
     """This process's place in the job, from the launcher's environment (1 process when unset),
-    checked up front: numbers, ranges, and the rendezvous address."""
+    checked up front: numbers, ranges, the rendezvous address and the network interface."""
     world_size = _env_int("WORLD_SIZE", 1)
     if world_size < 1:
         raise ConfigError(f"WORLD_SIZE={world_size} must be >= 1")
@@ -80,15 +84,22 @@ def dist_env() -> DistEnv:
         port = _env_int("MASTER_PORT", None)
         if not 0 < port < 65536:
             raise ConfigError(f"MASTER_PORT={port} is not a port (1..65535)")
+    device = torch.device("cpu")
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         if local_rank >= gpus and not os.environ.get("DIST_BACKEND"):
             raise ConfigError(f"LOCAL_RANK={local_rank} but this node has {gpus} GPU(s): start at most one "
                               "process per GPU (--nproc_per_node), or share them with DIST_BACKEND=gloo")
         device = torch.device("cuda", local_rank % gpus)
-    else:
-        device = torch.device("cpu")
-    return DistEnv(rank, local_rank, world_size, local_world_size, device)
+    env = DistEnv(rank, local_rank, world_size, local_world_size, device)
+    # the back end's interfaces: GLOO_SOCKET_IFNAME names, each used; NCCL's prefixes (=: names, ^: left out), any
+    value = os.environ.get(name := f"{env.backend.upper()}_SOCKET_IFNAME", "") if several else ""
+    have, whole = [interface for _, interface in socket.if_nameindex()], env.backend == "gloo" or value[:1] == "="
+    lacks = [w for w in value.lstrip("=").split(",") if not any(h == w if whole else h.startswith(w) for h in have)]
+    if value[:1] not in ("", "^") and (lacks if env.backend == "gloo" else len(lacks) > value.count(",")):
+        raise ConfigError(f"{name}={value} names {', '.join(map(repr, lacks))}, which host {socket.gethostname()} "
+                          f"lacks; it has {', '.join(have)}: name one of them, or unset {name}")
+    return env
 
 
 def init_distributed(env: DistEnv, rendezvous_timeout_s: float, collective_timeout_s: float,
@@ -104,22 +115,22 @@ def init_distributed(env: DistEnv, rendezvous_timeout_s: float, collective_timeo
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                             ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
             os.environ.setdefault(name, value)
-    # DIST_BACKEND overrides: nccl refuses two ranks on one GPU, gloo (slower) does not
-    backend = os.environ.get("DIST_BACKEND") or ("nccl" if env.device.type == "cuda" else "gloo")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    waited = ("rendezvous_timeout_s", rendezvous_timeout_s)
     try:
         store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size,
                                            timeout=timedelta(seconds=rendezvous_timeout_s)))
+        waited = ("collective_timeout_s", collective_timeout_s)  # torchrun's store is up at once: the group waits
         # nccl bound to this rank's GPU at once (device_id): no guessing the device at the first collective
-        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"attempt_{attempt}/", store),
+        dist.init_process_group(backend=env.backend, store=dist.PrefixStore(f"attempt_{attempt}/", store),
                                 rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=collective_timeout_s),
-                                device_id=env.device if backend == "nccl" else None)
+                                device_id=env.device if env.backend == "nccl" else None)
     except dist.DistError as err:
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        raise JobFailed(f"rank {env.rank} waited {rendezvous_timeout_s:g} s for the {env.world_size} processes of "
+        raise JobFailed(f"rank {env.rank} waited {waited[1]:g} s for the {env.world_size} processes of "
                         f"this job at {where} ({first_line(err)}); start all of them (torchrun --nproc_per_node, one "
-                        "agent per node), or raise --rendezvous_timeout_s") from None
+                        f"agent per node), or raise --{waited[0]}") from None
 
 
 def free_port() -> int:

@@ -52,7 +52,7 @@ def interface(env: DistEnv) -> str:
     (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME), else the one whose address routes to MASTER_ADDR
     (the local address of a UDP socket connected there; no packet is sent). Its address where no
     IPv4 interface has it."""
-    setting = os.environ.get("NCCL_SOCKET_IFNAME" if dist.get_backend() == "nccl" else "GLOO_SOCKET_IFNAME")
+    setting = os.environ.get(f"{env.backend.upper()}_SOCKET_IFNAME")  # checked by dist_env against the host's
     if setting:
         return setting
     family, _, _, _, where = socket.getaddrinfo(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"],

@@ -5,13 +5,12 @@ A collective that times out (collective_timeout_s), loses a peer, or that the ra
 the job. Each rank then writes output_dir/debug/rank_<r>.json, posts what it was in to the
 rendezvous store, reads what the others posted, and says in its one line (cli.run_cli) who did
 not arrive or who disagreed. docs/launching.md, "When a job hangs", shows the files and lines.
-The doctor's extra plugs these into the core (cli.py, session.py, torchrun.py: extras.plug).
+The doctor's extra plugs these into the core (cli.py, session.py: extras.plug).
 """
 
 import json
 import os
 import re
-import signal
 import socket
 import time
 import traceback
@@ -174,16 +173,3 @@ def explain(err: BaseException, cfg) -> str:
         text += "; so was every other rank"
     return f": {text}; {where}"
 
-
-def said_by_the_worker(args) -> tuple[int, ...]:
-    """The exit codes of a worker whose own line says it all, for torchrun's `args` (torchrun.py):
-    the doctor's 2, a check that failed."""
-    return (2,) if args.module and args.training_script == f"{__package__}.doctor" else ()
-
-
-def said_it_all(failed, codes: tuple[int, ...]) -> int | None:
-    """The first failed worker's exit code (torchrun's ChildFailedError) where it is in `codes` and
-    the others only stopped; else None."""
-    first = failed.get_first_failure()[1].exitcode
-    ended = {failure.exitcode for failure in failed.failures.values()}
-    return first if first in codes and ended <= {first, -signal.SIGTERM} else None

@@ -25,6 +25,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.modeling_outputs import CausalLMOutput, SequenceClassifierOutput
 
 from . import ASSETS
+from .checkpoint import FINAL_DIR
 from .config import TrainConfig
 from .data import IGNORE_INDEX
 from .errors import ConfigError, first_line
@@ -36,7 +37,13 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _hub_error(name: str, err: Exception) -> ConfigError:
-    where = "local path" if Path(name).exists() else "model"
+    p = Path(name)  # a run's folder, its checkpoints/ or a checkpoint in it: not a model
+    run = p.parent.parent if p.parent.name == "checkpoints" else p.parent if p.name == "checkpoints" else p
+    if (run / "checkpoints").is_dir() or (run / FINAL_DIR).is_dir():
+        return ConfigError(f"{name!r} is the output of a training run, not a model: use its final model (model_name_or_"
+                           f"path {run / FINAL_DIR}, once the run is finished), or continue the run with --output_dir "
+                           f"{run} --resume_from_checkpoint {name if run == p.parent.parent else 'auto'}")
+    where = "local path" if p.exists() else "model"
     return ConfigError(f"cannot load {where} {name!r} ({first_line(err)}); use model_name_or_path: tiny, a local path, "
                        "or a hub name while the hub is reachable")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .distributed import DistEnv, all_reduce_sum, print0, ranks_with
-from .errors import ConfigError, JobFailed
+from .errors import ConfigError, JobFailed, disk_full
 
 LOCK_FILE = ".lock"
 HEARTBEAT_S, STALE_S = 15.0, 60.0
@@ -113,6 +113,9 @@ class OutputLock:
         except FileExistsError:  # another job wrote its lock since the check: it holds the folder now
             gone = self.check()
             self._write()
+        except OSError as err:  # the run's first write: a full disk (quota, file size limit) is one line
+            raise ConfigError(f"output_dir {self.path.parent}: cannot write {LOCK_FILE} ({err.strerror or err}); "
+                              + ("free space there" if disk_full(err) else "choose a folder to write to")) from None
         if gone is not None:
             print0(f"note: output_dir {self.path.parent} was held by a job that is gone ({describe(gone)}); "
                    "taking it over")
@@ -123,8 +126,8 @@ class OutputLock:
     def _write(self, exclusive: bool = False) -> None:
         """The lock file written whole; `exclusive`: only where there is none (FileExistsError)."""
         tmp = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}")
-        tmp.write_text(json.dumps({**self.mine, "heartbeat": time.time()}))
         try:
+            tmp.write_text(json.dumps({**self.mine, "heartbeat": time.time()}))
             if exclusive:
                 os.link(tmp, self.path)
             else:

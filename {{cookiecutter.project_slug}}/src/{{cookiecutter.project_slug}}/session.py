@@ -187,9 +187,10 @@ class Session:
                             exit_code=3, agreed=True)
 
     def eval_due(self, window: Window) -> bool:
-        """Every eval_every steps, or (eval_every 0) at each epoch's end, the last step ending the last epoch."""
+        """Every eval_every steps (at the run's end where that is sooner), or (eval_every 0) at each
+        epoch's end, the last step ending the last epoch."""
         if self.cfg.eval_every:
-            return window.step % self.cfg.eval_every == 0
+            return window.step % min(self.cfg.eval_every, self.run.total_steps) == 0
         return window.ends_epoch or window.step == self.run.total_steps
 
     def save_due(self, step: int) -> bool:

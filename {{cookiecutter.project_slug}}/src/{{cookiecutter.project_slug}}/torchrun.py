@@ -1,7 +1,7 @@
 """torchrun as the launch scripts start it (`python -m {{ cookiecutter.project_slug }}.torchrun`, the same options),
 ending in one line where torchrun would print a traceback: Ctrl-C or SIGTERM exits 128 + the signal
-(workers that got SIGTERM end with 143, and so does torchrun), a lost rendezvous 1, and a worker whose
-own line says it all (the doctor's failed check) its own code. docs/launching.md tells the story.
+(workers that got SIGTERM end with 143, and so does torchrun), a lost rendezvous 1, and workers whose
+own line says it all (a configuration error, the doctor's failed check) 2. docs/launching.md tells the story.
 """
 
 import logging
@@ -18,26 +18,15 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.run import main, parse_args
 
-from .extras import plug
-
-# A worker's exit codes after SIGTERM: its own (Session.stopped, errors.Interrupted), or the signal's
-# when torchrun, seeing the first worker end, stopped one that was already on its way out.
-TERMINATED = (128 + signal.SIGTERM, -signal.SIGTERM)
-said_by_the_worker = plug("doctor", "hangs:said_by_the_worker", default=lambda args: ())
-said_it_all = plug("doctor", "hangs:said_it_all", default=lambda failed, codes: None)
+TERMINATED = (128 + signal.SIGTERM, -signal.SIGTERM)  # a worker's after SIGTERM: its own 143, or the signal's
+SAID = 2  # a worker's configuration error (cli.run_cli) or the doctor's failed check: its own line says it all
 
 
-class _SaidByTheLine(logging.Filter):
-    """Drops torchrun's notes of what the one line says (a worker's exit code among `codes`, signals)."""
-
-    def __init__(self, codes: tuple[int, ...]):
-        super().__init__()
-        self.codes = codes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        said = record.msg.startswith("failed (exitcode") and record.args[0] in self.codes
-        return not said and not any(note in record.msg for note in ("death signal", "closing signal",
-                                                                     "has failed to shutdown the rendezvous"))
+def said_by_the_line(record: logging.LogRecord) -> bool:
+    """False for torchrun's notes of what the one line says (a worker's exit code SAID or TERMINATED, signals)."""
+    said = record.msg.startswith("failed (exitcode") and record.args[0] in (*TERMINATED, SAID)
+    return not said and not any(note in record.msg for note in ("death signal", "closing signal", "forcefully exiting",
+                                                                 "has failed to shutdown the rendezvous"))
 
 
 def rendezvous_failure(error: RendezvousError, endpoint: str, nnodes: str) -> str:
@@ -57,11 +46,9 @@ def rendezvous_failure(error: RendezvousError, endpoint: str, nnodes: str) -> st
 
 if __name__ == "__main__":
     args = parse_args(sys.argv[1:])
-    own_line = said_by_the_worker(args)
-    said = _SaidByTheLine(TERMINATED + own_line)
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api",
                  "torch.distributed.elastic.rendezvous.dynamic_rendezvous"):
-        logging.getLogger(name).addFilter(said)
+        logging.getLogger(name).addFilter(said_by_the_line)
     try:
         main()
     except (SignalException, KeyboardInterrupt) as stop:
@@ -74,9 +61,10 @@ if __name__ == "__main__":
         print(rendezvous_failure(error, endpoint, args.nnodes), file=sys.stderr, flush=True)
         sys.exit(1)
     except ChildFailedError as failed:
-        if (code := said_it_all(failed, own_line)) is not None:
-            sys.exit(code)
         codes = [failure.exitcode for failure in failed.failures.values()]
+        # the others stopped by torchrun after it (SIGKILL: they took SIGTERM as a request to stop at a step)
+        if SAID in codes and set(codes) <= {SAID, -signal.SIGTERM, -signal.SIGKILL}:
+            sys.exit(SAID)
         if TERMINATED[0] not in codes or not set(codes) <= set(TERMINATED):
             raise
         ranks = ", ".join(map(str, sorted(failed.failures)))

@@ -48,7 +48,7 @@ def training_arguments(cfg: TrainConfig, run: Run) -> TrainingArguments:
         bf16=cfg.mixed_precision == "bf16",
         fp16=cfg.mixed_precision == "fp16",
         eval_strategy="steps" if cfg.eval_every else "epoch",  # `evaluation_strategy` before transformers 4.41
-        eval_steps=cfg.eval_every or None,
+        eval_steps=min(cfg.eval_every, run.total_steps) or None,  # as Session.eval_due: the run's end at the latest
         logging_strategy="steps",
         logging_steps=1,
         save_strategy="steps" if cfg.save_steps else "no",
