@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -118,6 +119,8 @@ def init_distributed(env: DistEnv, rendezvous_timeout_s: float, collective_timeo
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     waited = ("rendezvous_timeout_s", rendezvous_timeout_s)
     try:
+        if env.rank and not listening(rendezvous_timeout_s):  # else torch's own retries print C++ stack dumps
+            raise dist.DistNetworkError(f"nothing listened at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
         store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size,
                                            timeout=timedelta(seconds=rendezvous_timeout_s)))
         waited = ("collective_timeout_s", collective_timeout_s)  # torchrun's store is up at once: the group waits
@@ -131,6 +134,19 @@ def init_distributed(env: DistEnv, rendezvous_timeout_s: float, collective_timeo
         raise JobFailed(f"rank {env.rank} waited {waited[1]:g} s for the {env.world_size} processes of "
                         f"this job at {where} ({first_line(err)}); start all of them (torchrun --nproc_per_node, one "
                         f"agent per node), or raise --{waited[0]}") from None
+
+
+def listening(timeout_s: float) -> bool:
+    """Whether the rendezvous address (rank 0's store, or torchrun's) takes a connection within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=1).close()
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
 
 
 def free_port() -> int:
