@@ -620,3 +620,34 @@ def test_text_the_tokenizer_does_not_know_is_one_line_or_a_note(corpus, tmp_path
     assert len(said) == 1 and re.match(r"note: [0-9.]+% of the training tokens", said[0]), said
     prepare_in(ROOT / "src" / "{{ cookiecutter.project_slug }}" / "assets" / "data" / "causal_lm", tmp_path / "cache2")
     assert "unknown" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_preparer_whose_preparation_was_taken_over_uses_the_data_or_says_so(corpus, tmp_path, capsys, monkeypatch,
+                                                                              finished):
+    """Stopped past the stale time while preparing (a suspended job), its lock taken over by another
+    host's process, which removed its work: on waking its writes fail. It uses the other's data once
+    that is whole, else ends in one line; it leaves the other's lock as it is."""
+    from {{ cookiecutter.project_slug }}.errors import JobFailed
+
+    real = prepare_module._prepare_into
+    other = {"host": "node-7", "pid": 1, "started": ""}
+
+    def stopped_and_taken_over(folder, source, tokenizer, cfg):
+        if finished:
+            real(folder, source, tokenizer, cfg)  # as the other process did, meanwhile
+        folder.with_name(folder.name + ".lock").write_text(json.dumps(other))
+        raise FileNotFoundError(2, "No such file or directory")  # this process's removed work folder
+
+    monkeypatch.setattr(prepare_module, "_prepare_into", stopped_and_taken_over)
+    if finished:
+        prepared = prepare_in(corpus, tmp_path / "cache")
+        assert "which took the preparation over while this process was stopped; using it" in capsys.readouterr().out
+    else:
+        with pytest.raises(JobFailed, match=r"^the preparation of .* was taken over by node-7:1 while this process was "
+                                            "stopped; start this job again once it has prepared the data$"):
+            prepare_in(corpus, tmp_path / "cache")
+    lock = next((tmp_path / "cache").glob("*.lock"))
+    assert json.loads(lock.read_text()) == other and not list((tmp_path / "cache").glob("*.error"))
+    if finished:
+        assert prepared.folder.is_dir() and len(prepared.data["train"]) > 0

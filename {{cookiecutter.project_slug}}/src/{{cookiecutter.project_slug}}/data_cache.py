@@ -176,10 +176,16 @@ class PreparationLock:
             time.sleep(HEARTBEAT_S)
 
     def release(self, error: str | None = None) -> None:
-        if error is not None:
-            self.error.write_text(error)
+        """Leave the lock (and `error` for the waiting processes) unless another process took it over."""
         self.held.clear()
-        self.path.unlink(missing_ok=True)
+        if self.mine():
+            if error is not None:
+                self.error.write_text(error)
+            self.path.unlink(missing_ok=True)
+
+    def mine(self) -> bool:
+        holder = self.holder()
+        return holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
 
     def holder(self) -> dict:
         """Who holds the lock ({} where unknown: not written yet, or gone)."""

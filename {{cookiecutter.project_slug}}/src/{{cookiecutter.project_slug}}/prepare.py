@@ -25,7 +25,7 @@ from datasets import Dataset, DatasetDict, load_from_disk
 from .config import TrainConfig
 from .data import ASSISTANT, TARGETS, labels_for
 from .data_cache import HEARTBEAT_S, META_FILE, PreparationLock, cache_folder, checksums, content_fingerprint, damage
-from .errors import ConfigError, disk_full, interruptible
+from .errors import ConfigError, JobFailed, disk_full, interruptible
 from .model import count_targets, load_tokenizer
 from .sources import Source, check_source, find_source, join, place, quiet_datasets, read_raw, validate
 
@@ -187,6 +187,17 @@ def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> 
         shutil.rmtree(work, ignore_errors=True)
 
 
+def taken_over(folder: Path, lock: PreparationLock) -> None:
+    """This process was stopped while preparing (its heartbeat stale), another took the preparation
+    over and removed what it had written: use the other's data where it is whole, else one line."""
+    who = lock.holder()
+    if damage(folder) != "":
+        raise JobFailed(f"the preparation of {folder} was taken over by {who.get('host')}:{who.get('pid')} while "
+                        "this process was stopped; start this job again once it has prepared the data")
+    print(f"data: {folder} was prepared by {who.get('host')}:{who.get('pid')}, which took the preparation over "
+          "while this process was stopped; using it", flush=True)
+
+
 def prepared_folder(cfg: TrainConfig, source: Source, tokenizer) -> Path:
     """The prepared data's folder: found whole (a warm start reads nothing else, and checks the
     folder's own checksums), or prepared here (again, with one line, where it is damaged), or
@@ -224,7 +235,12 @@ def prepared_folder(cfg: TrainConfig, source: Source, tokenizer) -> Path:
                         shutil.rmtree(folder)
                     if problem != "":
                         with children_end_with_this_process():
-                            _prepare_into(folder, source, tokenizer, cfg)
+                            try:
+                                _prepare_into(folder, source, tokenizer, cfg)
+                            except Exception:
+                                if lock.mine():
+                                    raise
+                                taken_over(folder, lock)
                 except ConfigError as err:
                     lock.release(error=str(err))
                     raise
