@@ -148,3 +148,15 @@ def test_a_signal_in_an_interruptible_block_comes_out_as_interrupted_whatever_a_
             raise TimeoutError("a pool's clean-up that failed on the way out")
     assert caught.value.signum == signal.SIGTERM and str(caught.value) == "stopped by SIGTERM while testing"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_error_line_is_written_in_one_call(monkeypatch):
+    """Unbuffered (PYTHONUNBUFFERED, as under the launchers) each write is a system call: a line in two
+    writes could be split by another process's line on the same terminal."""
+    from {{ cookiecutter.project_slug }} import cli
+
+    writes = []
+    monkeypatch.setattr(sys, "stderr", type("Stream", (), {"write": lambda self, text: writes.append(text),
+                                                           "flush": lambda self: None})())
+    cli.say("global_batch_size 7 is not divisible")
+    assert writes == ["error: global_batch_size 7 is not divisible\n"]

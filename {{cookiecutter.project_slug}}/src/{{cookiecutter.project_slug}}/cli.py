@@ -20,6 +20,12 @@ disagreement = plug("doctor", "hangs:disagreement", default=lambda err: None)
 explain = plug("doctor", "hangs:explain", default=lambda err, cfg: "")
 
 
+def say(error) -> None:
+    """The one line of an error, in one write: another process's line cannot split it."""
+    sys.stderr.write(f"error: {error}\n")
+    sys.stderr.flush()
+
+
 def run_cli(train: Callable[[TrainConfig], int | None]) -> None:
     """Parse the config and train (`train` returns a stopped job's exit code, or None); each way a
     run ends early is one line and its exit code: ConfigError 2, JobFailed its own, RunFinished 0, a
@@ -34,10 +40,10 @@ def run_cli(train: Callable[[TrainConfig], int | None]) -> None:
         print0(str(done))  # every rank found it so; the job says it once
         sys.exit(0)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        say(err)
         sys.exit(2)
     except JobFailed as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        say(err)
         if not err.agreed:  # the others may be waiting in a collective: nothing may meet them now
             os._exit(err.exit_code)
         code = err.exit_code  # every process stops here together: the group can still be destroyed
@@ -47,17 +53,16 @@ def run_cli(train: Callable[[TrainConfig], int | None]) -> None:
             raise
         forensics = explain(err, cfg)
         if differ:
-            print(f"error: the processes ran different collectives ({differ}){forensics}; the job stops: make "
-                  "every rank run the same collectives in the same order", file=sys.stderr, flush=True)
+            say(f"the processes ran different collectives ({differ}){forensics}; the job stops: make every rank "
+                "run the same collectives in the same order")
         else:
-            print(f"error: lost contact with the other processes ({first_line(err)}){forensics}; the job stops: a "
-                  "restart (torchrun --max_restarts, a requeue) resumes it from its newest checkpoint",
-                  file=sys.stderr, flush=True)
+            say(f"lost contact with the other processes ({first_line(err)}){forensics}; the job stops: a restart "
+                "(torchrun --max_restarts, a requeue) resumes it from its newest checkpoint")
         os._exit(1)  # a peer is gone or stuck: nothing may wait on it again, not even the exit
     except (Interrupted, KeyboardInterrupt) as err:
         signum = getattr(err, "signum", signal.SIGINT)
         why = err if isinstance(err, Interrupted) else "stopped by SIGINT; a restart resumes from the newest checkpoint"
-        print(f"error: {why}", file=sys.stderr, flush=True)
+        say(why)
         if dist.is_initialized():
             release_held()  # a stopped job lets the next one have its folder
             os._exit(128 + signum)  # the others may be waiting in a collective: nothing may meet them now
