@@ -73,6 +73,8 @@ def unchosen_paths(answers: dict) -> list[Path]:
         paths.append(Path(".github"))
     if answers["ci"] != "gitlab":
         paths.append(Path(".gitlab-ci.yml"))
+    if answers["ci"] == "none":
+        paths.append(Path("scripts", "template_update.sh"))
     return paths
 
 

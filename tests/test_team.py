@@ -61,6 +61,7 @@ def test_the_ci_answer_chooses_the_workflow(baked, ci):
     found = {p.relative_to(project).as_posix() for p in [*project.glob(".github/**/*"), project / ".gitlab-ci.yml"]
              if p.is_file()}
     assert found == CI_FILES[ci]
+    assert (project / "scripts" / "template_update.sh").is_file() == (ci != "none")  # the template update job's
     assert json.loads((project / ".cookiecutter.json").read_text())["ci"] == ci
 
 
@@ -79,6 +80,8 @@ def test_the_github_workflow_is_valid_and_runs_the_projects_own_targets(baked):
     assert workflow_steps(jobs["fast"]) == [INSTALL, "make lint", "make test"]
     assert workflow_steps(jobs["full"]) == [INSTALL, "make test-all"]
     assert "schedule" in jobs["full"]["if"] and "workflow_dispatch" in jobs["full"]["if"]
+    assert jobs["template-update"]["if"] == jobs["full"]["if"]
+    assert workflow_steps(jobs["template-update"])[0].startswith("pip install cruft\nscripts/template_update.sh\n")
     setup = next(step for step in jobs["fast"]["steps"] if step.get("uses", "").startswith("actions/setup-python@"))
     assert setup["with"]["cache"] == "pip" and setup["with"]["cache-dependency-path"] == "pyproject.toml"
 
@@ -94,6 +97,7 @@ def test_the_gitlab_pipeline_is_valid_and_runs_the_projects_own_targets(baked):
     assert config["fast"]["script"] == ["make lint", "make test"]
     assert config["full"]["script"] == ["make test-all"]
     assert {"if": '$CI_PIPELINE_SOURCE == "schedule"'} in config["full"]["rules"]
+    assert config["template-update"]["script"][:2] == ["pip install cruft", "scripts/template_update.sh"]
 
 
 def baked_copy(baked, tmp_path: Path, **answers) -> Path:
@@ -284,6 +288,51 @@ def test_cruft_update_brings_template_changes_and_keeps_the_users(tmp_path):
         assert (project / "src" / "team_train" / f"{module}.py").is_file(), module
     assert not (project / "src" / "team_train" / "noise.py").exists()
     assert "\nfsdp: \"none\"\n" in config.read_text() and "seed: 1234" in config.read_text()
+
+
+def test_the_scheduled_template_update_proposes_the_newest_tag_on_a_branch(tmp_path):
+    """The CI job's script, run as a plain command: the template a bare repository tagged v1 then v2
+    (a fix); the project, made from v1 and edited by its team, gets branch template-update holding
+    v2's fix and the team's edit, its own branch untouched; up to date, or without .cruft.json, nothing."""
+    work = template_repo(tmp_path)
+    git(work, "tag", "v1")
+    bare = tmp_path / "template.git"
+    git(tmp_path, "clone", "-q", "--bare", str(work), str(bare))
+    out = tmp_path / "out"
+    created = cruft("create", str(bare), "--checkout", "v1", "--no-input", "--output-dir", str(out),
+                    "--extra-context", json.dumps({"project_slug": "team_train", "ci": "github"}), cwd=tmp_path)
+    assert created.returncode == 0, created.stdout + created.stderr
+    project = out / "team_train"
+    git(project, "init", "-q", "-b", "main")
+    commit_all(project, "start")
+    config = project / "configs" / "train.yaml"
+    config.write_text(config.read_text().replace("\nseed: 42\n", "\nseed: 1234\n"))
+    commit_all(project, "our seed")
+    def update() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "scripts/template_update.sh"], cwd=project, capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+
+    current = update()
+    assert current.returncode == 0 and "up to date" in current.stdout, current.stdout + current.stderr
+
+    launching = work / "{{cookiecutter.project_slug}}" / "docs" / "launching.md"
+    launching.write_text(launching.read_text() + "\nA template fix.\n")
+    commit_all(work, "fix")
+    git(work, "tag", "v2")
+    git(work, "push", "-q", str(bare), "HEAD:refs/heads/main", "--tags")
+    updated = update()
+    assert updated.returncode == 0, updated.stdout + updated.stderr
+    assert git(project, "branch", "--show-current").strip() == "template-update"
+    assert (project / "docs" / "launching.md").read_text().endswith("\nA template fix.\n")
+    assert "seed: 1234" in config.read_text() and not git(project, "status", "--porcelain")
+    assert json.loads((project / ".cruft.json").read_text())["checkout"] == "v2"
+    assert "A template fix." not in git(project, "show", "main:docs/launching.md")
+    again = update()
+    assert again.returncode == 0 and "up to date" in again.stdout, again.stdout + again.stderr
+
+    (project / ".cruft.json").unlink()
+    unlinked = update()
+    assert unlinked.returncode == 0 and "no .cruft.json" in unlinked.stdout
 
 
 def test_a_project_made_with_cookiecutter_joins_cruft_with_its_recorded_answers(tmp_path):
