@@ -14,11 +14,19 @@
 #     whose bare job id would name every task of the array, else SLURM_JOB_ID)
 #   OUTPUT_DIR (default runs/<JOB_ID>: the same folder after a requeue)
 #   TRAIN_ARGS (--config, --output_dir, --resume_from_checkpoint auto, then the script's arguments)
+#   CONTAINER_SRUN, CONTAINER_EXEC, STEP_ENV (container_setup, below)
 # An elastic range NNODES=MIN:MAX (torchrun.sbatch) must hold the allocation's node count; srun then
 # keeps the other nodes' launchers running when one node's ends (--no-kill; submit with
 # `sbatch --no-kill` so that SLURM keeps the job when it loses a node).
 # launch_on_nodes NODE_CMD runs NODE_CMD once per node under srun; `\$SLURM_NODEID` in it is
 # expanded on each node (its node rank). DRY_RUN=1 prints each node's command instead.
+#
+# Containers: CONTAINER_IMAGE=<image> runs each node's command with pyxis (srun --container-image:
+# an image as pyxis names it, nvcr.io#nvidia/pytorch:25.10-py3 or docker://..., or a .sqsh file);
+# APPTAINER_IMAGE=<file.sif> under `apptainer exec --nv`. Either mounts, each at its own path, the
+# project (the working directory), OUTPUT_DIR and DATA_CACHE_DIR (set, it is also --data_cache_dir)
+# where they lie outside it, and CONTAINER_CACHE (default ~/.cache) at /cache, where the image keeps
+# HF_HOME and WANDB_DIR (Containerfile). DRY_RUN shows the options without looking for the image.
 #
 # Preemption: SLURM sends USR1 to this batch shell 120 s before the time limit (#SBATCH
 # --signal=B:USR1@120). A checkpoint that takes longer to write needs a longer lead: submit with
@@ -67,11 +75,66 @@ job_setup() {
   OUTPUT_DIR=${OUTPUT_DIR:-runs/$JOB_ID}
   CONFIG=${CONFIG:-configs/train.yaml}
   names_a_file CONFIG "$CONFIG"
-  TRAIN_ARGS=(--config "$CONFIG" --output_dir "$OUTPUT_DIR" --resume_from_checkpoint auto "$@")
+  TRAIN_ARGS=(--config "$CONFIG" --output_dir "$OUTPUT_DIR" --resume_from_checkpoint auto
+              ${DATA_CACHE_DIR:+--data_cache_dir "$DATA_CACHE_DIR"} "$@")
+  container_setup
   # the package runs from src/ without being installed
   export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
   echo "job $JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $(count "$NNODES" node nodes)$(elastic_note) x $(count "$NPROC_PER_NODE" process processes), head $HEAD:$MASTER_PORT, output $OUTPUT_DIR"
   echo "cpus: $CPUS_PER_TASK per node (SRUN_CPUS_PER_TASK=$SRUN_CPUS_PER_TASK), OMP_NUM_THREADS=$OMP_NUM_THREADS per process; max restarts $MAX_RESTARTS"
+  if [[ -n "$CONTAINER_NOTE" ]]; then echo "$CONTAINER_NOTE"; fi
+}
+
+# `container_setup`: from CONTAINER_IMAGE (pyxis) or APPTAINER_IMAGE, the options srun takes
+# (CONTAINER_SRUN) or the command before each node's (CONTAINER_EXEC), and the job log's line
+# (CONTAINER_NOTE). STEP_ENV goes before a launcher that is not torchrun: under pyxis an image's
+# enroot hook (NGC's PyTorch images) sets RANK, WORLD_SIZE and MASTER_ADDR for every step, as if
+# each task were one training process. Both images set, or at run time no apptainer or no image
+# file: one line and exit 2.
+CONTAINER_SRUN=() CONTAINER_EXEC=() STEP_ENV="" CONTAINER_NOTE=""
+# shellcheck disable=SC2034  # STEP_ENV is read by the sbatch scripts
+container_setup() {
+  local dir joined mounts=() image=${CONTAINER_IMAGE:-${APPTAINER_IMAGE:-}}
+  if [[ -z "$image" ]]; then
+    return
+  fi
+  if [[ -n "${CONTAINER_IMAGE:-}" && -n "${APPTAINER_IMAGE:-}" ]]; then
+    echo "error: CONTAINER_IMAGE and APPTAINER_IMAGE are both set; set one: CONTAINER_IMAGE runs each node's" \
+         "command with pyxis (srun --container-image), APPTAINER_IMAGE under apptainer exec" >&2
+    exit 2
+  fi
+  # a file pyxis must tell from a registry's image by its leading / or ./
+  if [[ -n "${CONTAINER_IMAGE:-}" && "$image" == *.sqsh && "$image" != /* ]]; then
+    image=$PWD/$image
+  fi
+  for dir in "$PWD" "$OUTPUT_DIR" "${DATA_CACHE_DIR:-}"; do
+    if [[ -n "$dir" ]]; then
+      [[ "$dir" == /* ]] || dir=$PWD/$dir
+      [[ "$dir" == "$PWD"/* ]] || mounts+=("$dir:$dir")
+    fi
+  done
+  CONTAINER_CACHE=${CONTAINER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}}
+  mounts+=("$CONTAINER_CACHE:/cache")
+  printf -v joined '%s,' "${mounts[@]}"
+  if ! is_yes DRY_RUN; then
+    if [[ -n "${APPTAINER_IMAGE:-}" ]] && ! command -v apptainer >/dev/null; then
+      echo "error: APPTAINER_IMAGE is set and apptainer is not on PATH; load it (module load apptainer)," \
+           "or run the image with pyxis: CONTAINER_IMAGE" >&2
+      exit 2
+    fi
+    if [[ -n "${APPTAINER_IMAGE:-}" || "$image" == *.sqsh ]]; then
+      names_a_file "${APPTAINER_IMAGE:+APPTAINER_IMAGE}${CONTAINER_IMAGE:+CONTAINER_IMAGE}" "$image"
+    fi
+    mkdir -p "$OUTPUT_DIR" "${DATA_CACHE_DIR:-$OUTPUT_DIR}" "$CONTAINER_CACHE"  # a mount's folder must exist
+  fi
+  if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
+    CONTAINER_SRUN=(--container-image="$image" --container-mounts="${joined%,}" --container-workdir="$PWD")
+    STEP_ENV="env -u RANK -u LOCAL_RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT "
+    CONTAINER_NOTE="container: srun $(quote "${CONTAINER_SRUN[@]}") (pyxis)"
+  else
+    CONTAINER_EXEC=(apptainer exec --nv --bind "${joined%,}" --pwd "$PWD" "$image")
+    CONTAINER_NOTE="container: $(quote "${CONTAINER_EXEC[@]}") before each node's command"
+  fi
 }
 
 # `fits_node_range ALLOCATED`: the range NNODES=MIN:MAX holds the ALLOCATED node count (every node
@@ -120,7 +183,7 @@ launch_on_nodes() {
   local node_cmd=$1 i status=0 pid
   if is_yes DRY_RUN; then
     for i in "${!NODES[@]}"; do
-      echo "${NODES[i]} (SLURM_NODEID=$i): ${node_cmd//\$SLURM_NODEID/$i}"
+      echo "${NODES[i]} (SLURM_NODEID=$i): ${CONTAINER_EXEC[*]:+$(quote "${CONTAINER_EXEC[@]}") }${node_cmd//\$SLURM_NODEID/$i}"
     done
     return 0
   fi
@@ -130,7 +193,10 @@ launch_on_nodes() {
   # range: the other nodes carry on, and their torchrun continues without it
   local on_failure=--kill-on-bad-exit=1
   if [[ "$NNODES" == *:* ]]; then on_failure=--no-kill; fi
-  srun --nodes "${#NODES[@]}" --ntasks-per-node 1 "$on_failure" bash -c "trap '' USR1; exec $node_cmd" &
+  # under Apptainer the launcher ignores USR1 inside the container: apptainer's own process takes the
+  # signal and passes it on
+  srun --nodes "${#NODES[@]}" --ntasks-per-node 1 "$on_failure" "${CONTAINER_SRUN[@]}" "${CONTAINER_EXEC[@]}" \
+    bash -c "trap '' USR1; exec $node_cmd" &
   pid=$!
   # a wait that the trap cut short (status > 128) waits again: bash keeps the status of a step that
   # ended while the trap ran
