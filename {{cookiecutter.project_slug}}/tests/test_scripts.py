@@ -255,6 +255,99 @@ def test_sbatch_dry_run_names_an_array_task_by_its_index(script, env):
                                    for line in nodes), nodes
 
 
+
+PYXIS_IMAGES = {"nvcr.io#nvidia/pytorch:25.10-py3": "nvcr.io#nvidia/pytorch:25.10-py3",
+                "docker://nvcr.io#nvidia/pytorch:25.10-py3": "docker://nvcr.io#nvidia/pytorch:25.10-py3",
+                "images/train.sqsh": f"{ROOT}/images/train.sqsh"}  # a file pyxis tells by its leading /
+
+
+def container_dry_run(env, script: Path, tmp_path: Path, **variables) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(script), "--max_steps", "3"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**env, "DRY_RUN": "1", "SLURM_NNODES": "2", "NPROC_PER_NODE": "1",
+                                           "OUTPUT_DIR": str(tmp_path / "out"), "CONTAINER_CACHE": "/c", **variables})
+
+
+@pytest.mark.parametrize("image", PYXIS_IMAGES)
+@pytest.mark.parametrize("script", SBATCH, ids=lambda p: p.stem)
+def test_container_image_runs_each_node_with_pyxis(script, env, tmp_path, image):
+    """The image is not looked for in a dry run; the project, the output folder (outside it) and the
+    cache are mounted at the paths the job names them by."""
+    proc = container_dry_run(env, script, tmp_path, CONTAINER_IMAGE=image)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "out"
+    mounts = fr"{ROOT}:{ROOT}\,{out}:{out}\,/c:/cache"
+    assert f"container: srun --container-image={PYXIS_IMAGES[image]} --container-mounts={mounts} " \
+           f"--container-workdir={ROOT} (pyxis)" in proc.stdout.splitlines()
+    nodes = [line.partition(": ")[2] for line in proc.stdout.splitlines() if line.startswith("node")]
+    assert len(nodes) == 2
+    # torchrun gives its processes their ranks; before another launcher the hook-set ones go
+    launcher = "torchrun" if script.stem == "torchrun" else \
+        "env -u RANK -u LOCAL_RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT accelerate launch"
+    for line in nodes:
+        assert line.startswith(f"{launcher} ")
+        assert line.endswith(f"--output_dir {out} --resume_from_checkpoint auto --max_steps 3")
+
+
+@pytest.mark.parametrize("script", SBATCH, ids=lambda p: p.stem)
+def test_apptainer_image_runs_each_nodes_command_under_apptainer(script, env, tmp_path):
+    proc = container_dry_run(env, script, tmp_path, APPTAINER_IMAGE="train.sif", DATA_CACHE_DIR="/d")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "out"
+    exec_ = fr"apptainer exec --nv --bind {ROOT}:{ROOT}\,{out}:{out}\,/d:/d\,/c:/cache --pwd {ROOT} train.sif"
+    assert f"container: {exec_} before each node's command" in proc.stdout.splitlines()
+    nodes = [line.partition(": ")[2] for line in proc.stdout.splitlines() if line.startswith("node")]
+    launcher = "torchrun" if script.stem == "torchrun" else "accelerate launch"
+    assert len(nodes) == 2 and all(line.startswith(f"{exec_} {launcher} ")
+                                   and line.endswith("--data_cache_dir /d --max_steps 3") for line in nodes), nodes
+
+
+def run_with_fake_srun(env, tmp_path: Path, with_apptainer: bool, **variables) -> subprocess.CompletedProcess:
+    """The first sbatch script, not a dry run, with an srun on PATH that records its arguments (and
+    an apptainer that does nothing, where asked)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name in ("srun", "apptainer") if with_apptainer else ("srun",):
+        (fake / name).write_text(f'#!/bin/bash\necho "$*" >"{tmp_path}/{name}"\n')
+        (fake / name).chmod(0o755)
+    path = os.pathsep.join(d for d in env["PATH"].split(os.pathsep) if not (Path(d) / "apptainer").exists())
+    return subprocess.run(["bash", str(SBATCH[0])], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**env, "PATH": f"{fake}{os.pathsep}{path}", "SLURM_NNODES": "1", "NPROC_PER_NODE": "1",
+                               "OUTPUT_DIR": str(tmp_path / "out"), "CONTAINER_CACHE": str(tmp_path / "cache"),
+                               **variables})
+
+
+@pytest.mark.parametrize("variables,with_apptainer,expected", [
+    ({"CONTAINER_IMAGE": "nvcr.io#nvidia/pytorch:25.10-py3", "APPTAINER_IMAGE": "train.sif"}, True,
+     "error: CONTAINER_IMAGE and APPTAINER_IMAGE are both set; set one: CONTAINER_IMAGE runs each node's command with "
+     "pyxis (srun --container-image), APPTAINER_IMAGE under apptainer exec"),
+    ({"APPTAINER_IMAGE": "{tmp}/train.sif"}, False, "error: APPTAINER_IMAGE is set and apptainer is not on PATH; load "
+     "it (module load apptainer), or run the image with pyxis: CONTAINER_IMAGE"),
+    ({"APPTAINER_IMAGE": "{tmp}/missing.sif"}, True,
+     "error: APPTAINER_IMAGE={tmp}/missing.sif names {tmp}/missing.sif, which is not a file")],
+    ids=["both", "no_apptainer", "no_sif"])
+def test_a_container_that_cannot_run_is_one_line(env, tmp_path, variables, with_apptainer, expected):
+    if not SBATCH:
+        pytest.skip("a project generated without the SLURM scripts")
+    (tmp_path / "train.sif").touch()
+    proc = run_with_fake_srun(env, tmp_path, with_apptainer,
+                              **{k: v.format(tmp=tmp_path) for k, v in variables.items()})
+    assert (proc.returncode, proc.stderr.splitlines()) == (2, [expected.format(tmp=tmp_path)]), proc.stdout
+    assert not (tmp_path / "srun").exists()
+
+
+def test_an_apptainer_job_runs_the_launcher_inside_the_image(env, tmp_path):
+    """At run time the image and apptainer are there: srun starts apptainer on each node, which
+    starts the launcher, ignoring USR1 inside the container (the trap is the container's bash's)."""
+    if not SBATCH:
+        pytest.skip("a project generated without the SLURM scripts")
+    (tmp_path / "train.sif").touch()
+    proc = run_with_fake_srun(env, tmp_path, True, APPTAINER_IMAGE=str(tmp_path / "train.sif"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    srun = (tmp_path / "srun").read_text()
+    assert f"--pwd {ROOT} {tmp_path}/train.sif bash -c trap '' USR1; exec " in srun
+    assert (tmp_path / "cache").is_dir() and (tmp_path / "out").is_dir()  # a bind's folder must exist
+
+
 FAKE_SLURM = {  # each records its arguments; srun runs until scancel has signalled its step
     "srun": 'touch "$FAKE/started"; while [[ ! -e "$FAKE/signalled" ]]; do sleep 0.05; done',
     "scancel": 'echo "scancel $*" >>"$FAKE/calls"; touch "$FAKE/signalled"',
