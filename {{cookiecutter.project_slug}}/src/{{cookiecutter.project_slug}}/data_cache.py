@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from .config import TrainConfig, keys_where
 from .data import labels_for
 from .errors import ConfigError
-from .output_lock import process_started, running_here
+from .output_lock import is_mine, process_started, read_holder, running_here
 
 CACHE_FORMAT = 3  # bump when what preparation writes changes: older caches are then not used
 META_FILE = "prepared.json"
@@ -184,15 +184,11 @@ class PreparationLock:
             self.path.unlink(missing_ok=True)
 
     def mine(self) -> bool:
-        holder = self.holder()
-        return holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+        return is_mine(self.holder())
 
     def holder(self) -> dict:
         """Who holds the lock ({} where unknown: not written yet, or gone)."""
-        with contextlib.suppress(OSError, ValueError):
-            who = json.loads(self.path.read_text())
-            return who if isinstance(who, dict) else {}
-        return {}
+        return read_holder(self.path)
 
     def gone(self) -> dict | None:
         """The lock's holder where it died (at once on this host; elsewhere once its heartbeat is

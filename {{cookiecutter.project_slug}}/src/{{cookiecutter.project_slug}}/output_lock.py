@@ -61,6 +61,18 @@ def running_here(holder: dict) -> bool | None:
     return not holder.get("started") or process_started(int(holder["pid"])) in ("", holder["started"])
 
 
+def read_holder(path: Path) -> dict:
+    """Who a lock file names ({} where nobody does, or the file is unreadable)."""
+    with contextlib.suppress(OSError, ValueError):
+        holder = json.loads(path.read_text())
+        return holder if isinstance(holder, dict) else {}
+    return {}
+
+
+def is_mine(holder: dict) -> bool:
+    return holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+
+
 def describe(holder: dict) -> str:
     since = datetime.fromtimestamp(float(holder.get("since", 0))).strftime("%Y-%m-%d %H:%M:%S")
     job = f", {holder['job']}" if holder.get("job") else ""
@@ -78,23 +90,11 @@ class OutputLock:
         self.held, self.stop, self.writing = False, threading.Event(), threading.Lock()
         self.beat_at, self.lost = time.monotonic(), None  # the last beat; the job that took the folder over
 
-    def holder(self) -> dict | None:
-        """Who holds the folder now; None where nobody does (or the lock file is unreadable)."""
-        with contextlib.suppress(OSError, ValueError):
-            holder = json.loads(self.path.read_text())
-            return holder if isinstance(holder, dict) else None
-        return None
-
-    def check(self) -> dict | None:
-        """ConfigError where another running job holds the folder; else the gone job whose lock this one
-        takes over (None: free, or this very job before a restart)."""
-        return self._judge(self.holder())
-
-    def ours(self, holder: dict | None) -> bool:
-        return (holder or {}).get("host") == self.mine["host"] and (holder or {}).get("pid") == self.mine["pid"]
-
-    def _judge(self, holder: dict | None) -> dict | None:
-        if holder is None or self.ours(holder) or self.mine["job"] and holder.get("job") == self.mine["job"]:
+    def check(self, holder: dict | None = None) -> dict | None:
+        """ConfigError where another running job holds the folder (`holder`, else read now); else the gone
+        job whose lock this one takes over (None: free, or this very job before a restart)."""
+        holder = holder or read_holder(self.path)
+        if not holder or is_mine(holder) or self.mine["job"] and holder.get("job") == self.mine["job"]:
             return None
         here = running_here(holder)  # still running? On this host its pid says, elsewhere its heartbeat
         if here or here is None and time.time() - float(holder.get("heartbeat", 0)) <= STALE_S:
@@ -104,12 +104,12 @@ class OutputLock:
 
     def take(self, env: DistEnv) -> None:
         """Every rank checks; rank 0 writes the lock and beats until the process ends (or `release`)."""
-        holder = self.holder()
-        gone = self._judge(holder)
+        holder = read_holder(self.path)
+        gone = self.check(holder)
         if not env.is_main_process:
             return
         try:
-            self._write(exclusive=holder is None)
+            self._write(exclusive=not holder)
         except FileExistsError:  # another job wrote its lock since the check: it holds the folder now
             gone = self.check()
             self._write()
@@ -138,8 +138,8 @@ class OutputLock:
     def _beat(self) -> None:
         while not self.stop.wait(HEARTBEAT_S):
             with self.writing, contextlib.suppress(OSError):
-                holder = self.holder()
-                if holder is not None and not self.ours(holder):  # taken over while this job was paused
+                holder = read_holder(self.path)
+                if holder and not is_mine(holder):  # taken over while this job was paused
                     self.lost = holder
                     return
                 if not self.stop.is_set():
@@ -150,8 +150,8 @@ class OutputLock:
         """JobFailed where another job took the folder over while this one was paused (as a suspended
         SLURM job is) past the stale time: read again only when the last beat is older than two beats."""
         if self.lost is None and time.monotonic() - self.beat_at > 2 * HEARTBEAT_S:
-            holder = self.holder()
-            self.lost = None if holder is None or self.ours(holder) else holder
+            holder = read_holder(self.path)
+            self.lost = None if not holder or is_mine(holder) else holder
         if self.lost is not None:
             self.held = False  # the lock is the other job's now
             raise JobFailed(f"output_dir {self.path.parent} was taken over by another job ({describe(self.lost)}) "
@@ -164,8 +164,7 @@ class OutputLock:
         self.held = False
         with self.writing:
             self.stop.set()
-            holder = self.holder()
-            if self.ours(holder):
+            if is_mine(read_holder(self.path)):
                 self.path.unlink(missing_ok=True)
 
 
