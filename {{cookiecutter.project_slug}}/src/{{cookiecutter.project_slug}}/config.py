@@ -178,8 +178,8 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
             raise ConfigError(f"seed must be a whole number from 0 to {2**32 - 1}, got {self.seed}")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"max_steps must be -1 (train num_epochs) or >= 1, got {self.max_steps}")
-        if not self.learning_rate > 0:
-            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        for name in (name for name in ("learning_rate", "ddp_bucket_cap_mb") if not getattr(self, name) > 0):
+            raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.dataloader_workers < -1:
@@ -189,8 +189,6 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
         if self.packing and self.task == "sequence_classification":
             raise ConfigError(f"packing joins documents for causal_lm and chat; task {self.task} keeps one example per "
                               "sequence: set packing false")
-        if self.ddp_bucket_cap_mb <= 0:
-            raise ConfigError(f"ddp_bucket_cap_mb must be > 0, got {self.ddp_bucket_cap_mb}")
         extras.check(self)
 
     def to_dict(self) -> dict:

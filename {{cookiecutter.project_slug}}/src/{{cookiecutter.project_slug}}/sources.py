@@ -367,8 +367,7 @@ def validate(parts: dict[str, list[tuple[str, object]]], source: Source, task: s
             _check_texts(data, part, split, task)
     if task != "sequence_classification":
         return 0
-    labels = {split: set().union(*(_labels_of(data, part) for part, data in parts[split]))
-              for split in SPLITS}
+    labels = {split: set().union(*(_labels_of(data, part) for part, data in parts[split])) for split in SPLITS}
     classes = max(labels["train"]) + 1
     if classes < 2:
         raise ConfigError(f"dataset {where['train']}: every training label is 0, one class; classification needs "

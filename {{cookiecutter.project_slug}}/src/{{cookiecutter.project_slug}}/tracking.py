@@ -45,8 +45,7 @@ def check_wandb(cfg: TrainConfig) -> None:
 
 
 def run_name(env: DistEnv, plan: BatchPlan) -> str:
-    procs = env.world_size // env.num_nodes
-    return f"{env.num_nodes}x{procs}-acc{plan.grad_accum_steps}-mb{plan.micro_batch_size}"
+    return f"{env.num_nodes}x{env.world_size // env.num_nodes}-acc{plan.grad_accum_steps}-mb{plan.micro_batch_size}"
 
 
 def _count(value: float) -> str:
