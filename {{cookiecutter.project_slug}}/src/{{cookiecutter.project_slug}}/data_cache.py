@@ -73,11 +73,7 @@ def _blocks(path: Path, wanted=None) -> list[int]:
     with path.open("rb") as f:
         if wanted is None:
             return [zlib.crc32(piece) for piece in iter(lambda: f.read(BLOCK), b"")]
-        found = []
-        for index in wanted:
-            f.seek(index * BLOCK)
-            found.append(zlib.crc32(f.read(BLOCK)))
-        return found
+        return [zlib.crc32(os.pread(f.fileno(), BLOCK, index * BLOCK)) for index in wanted]
 
 
 def _wanted(size: int) -> list[int]:

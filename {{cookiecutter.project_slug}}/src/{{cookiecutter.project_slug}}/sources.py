@@ -129,10 +129,8 @@ def find_source(cfg: TrainConfig) -> Source:
     if len({BUILDERS[p.suffix] for paths in files.values() for p in paths}) > 1:
         raise ConfigError(f"dataset {folder}: {files['train'][0].name} and {files['validation'][0].name} must have "
                           "one format")
-    for split, paths in files.items():
-        for path in paths:
-            if path.stat().st_size == 0:
-                raise ConfigError(f"dataset file {path} is empty: split {split} needs examples")
+    for split, path in ((split, p) for split, paths in files.items() for p in paths if p.stat().st_size == 0):
+        raise ConfigError(f"dataset file {path} is empty: split {split} needs examples")
     return Source(cfg.dataset, files=files)
 
 
