@@ -88,19 +88,10 @@ def train(cfg: TrainConfig) -> None:
 
     loss = WindowLoss(cfg.task)
     trainer = WindowTrainer(
-        model=model,
-        args=args,
-        train_dataset=run.data["train"],
-        eval_dataset=run.data["validation"],
-        data_collator=train_loader.collate_fn,
-        processing_class=run.tokenizer,
-        compute_loss_func=loss,
-        compute_metrics=partial(compute_metrics, task=cfg.task,
-                                num_labels=getattr(run.model_config, "num_labels", 2)),
-        preprocess_logits_for_metrics=partial(eval_summaries, task=cfg.task),
-        session=session,
-        train_loader=train_loader,
-    )
+        model=model, args=args, train_dataset=run.data["train"], eval_dataset=run.data["validation"],
+        data_collator=train_loader.collate_fn, processing_class=run.tokenizer, compute_loss_func=loss, session=session,
+        compute_metrics=partial(compute_metrics, task=cfg.task, num_labels=getattr(run.model_config, "num_labels", 2)),
+        preprocess_logits_for_metrics=partial(eval_summaries, task=cfg.task), train_loader=train_loader)
     recorder = RunRecorder(session, trainer, loss)
     trainer.add_callback(recorder)
     try:
