@@ -12,17 +12,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_model, save_file, save_model
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    LlamaConfig,
-    PretrainedConfig,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers.configuration_utils import PretrainedConfig
 from transformers.initialization import no_init_weights
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.modeling_outputs import CausalLMOutput, SequenceClassifierOutput
+from transformers.models.llama import LlamaConfig
 
 from . import ASSETS
 from .checkpoint import FINAL_DIR
