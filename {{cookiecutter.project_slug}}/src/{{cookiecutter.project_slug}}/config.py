@@ -296,9 +296,8 @@ def _read_yaml(path: str) -> dict:
 
 
 def load_config(argv: list[str] | None = None) -> TrainConfig:
-    """Read the `--config` files (default configs/train.yaml; given more than once, later files
-    override earlier ones), then apply the command-line flags over them. `--help` lists every flag
-    with the value the config files give it."""
+    """Read the `--config` files (default configs/train.yaml; given more than once, later files override earlier ones),
+    then apply the command-line flags over them. `--help` lists every flag with the value the config files give it."""
     argv = sys.argv[1:] if argv is None else argv
     parser = _Parser(TrainConfig, description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--config", action="append", help="YAML file(s) with the defaults; later ones win.")

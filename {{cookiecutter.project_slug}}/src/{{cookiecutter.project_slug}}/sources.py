@@ -135,9 +135,8 @@ def find_source(cfg: TrainConfig) -> Source:
 
 
 def check_source(source: Source, task: str) -> None:
-    """The cheap checks, run by every process before any waits for the preparation: each file's
-    first record (or header, or schema) has the task's columns. A warm start skips them: its data
-    was checked whole when it was prepared."""
+    """The cheap checks, run by every process before any waits for the preparation: each file's first record (or header,
+    or schema) has the task's columns. A warm start skips them: its data was checked whole when it was prepared."""
     for split in SPLITS if source.saved is not None else ():
         try:
             info = json.loads((source.saved / split / "dataset_info.json").read_text())

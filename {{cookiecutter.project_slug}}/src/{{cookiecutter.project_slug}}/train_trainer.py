@@ -111,10 +111,9 @@ def train(cfg: TrainConfig) -> None:
 
 
 def remove_unpublished(cfg: TrainConfig, unfinished_only: bool) -> None:
-    """The Trainer's checkpoint-<N> folders not published as step_<N> are never read. A process whose
-    write failed removes them; another one that fails with it (it may have gone on writing into one
-    after the first had removed it) removes those the Trainer had not finished (it writes
-    trainer_state.json last)."""
+    """The Trainer's checkpoint-<N> folders not published as step_<N> are never read. A process whose write failed
+    removes them; another one that fails with it (it may have gone on writing into one after the first had removed it)
+    removes those the Trainer had not finished (it writes trainer_state.json last)."""
     for partial_write in checkpoints_dir(cfg.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
         if not (unfinished_only and (partial_write / TRAINER_STATE_NAME).exists()):
             shutil.rmtree(partial_write, ignore_errors=True)
