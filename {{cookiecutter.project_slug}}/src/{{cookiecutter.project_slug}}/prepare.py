@@ -50,12 +50,10 @@ def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig, work: Path) -> Datas
         return {"input_ids": ids}
 
     with quiet_datasets():
-        return DatasetDict({
-            split: ds.map(encode, batched=True, num_proc=num_proc if len(ds) >= 2 * num_proc else None,
-                          cache_file_name=str(work / f"{split}.arrow"),
-                          remove_columns=[c for c in ds.column_names if c not in keep])
-            for split, ds in raw.items()
-        })
+        return DatasetDict({split: ds.map(encode, batched=True, num_proc=num_proc if len(ds) >= 2 * num_proc else None,
+                                          cache_file_name=str(work / f"{split}.arrow"),
+                                          remove_columns=[c for c in ds.column_names if c not in keep])
+                            for split, ds in raw.items()})
 
 
 @contextlib.contextmanager

@@ -373,8 +373,7 @@ def validate(parts: dict[str, list[tuple[str, object]]], source: Source, task: s
     if missing:
         shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
         raise ConfigError(f"dataset {where['train']}: training labels must be 0..{classes - 1} with every class "
-                          f"present, but {len(missing)} of them have no example ({shown}); number the classes "
-                          "0..K-1")
+                          f"present, but {len(missing)} of them have no example ({shown}); number the classes 0..K-1")
     for part, data in parts["validation"]:
         unknown = sorted(set(pc.unique(data.data.column("label")).to_pylist()) - labels["train"])
         if unknown:
