@@ -14,14 +14,8 @@ import math
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import (
-    DeepSpeedPlugin,
-    DistributedDataParallelKwargs,
-    FullyShardedDataParallelPlugin,
-    GradientAccumulationPlugin,
-    GradScalerKwargs,
-    TorchDynamoPlugin,
-)
+from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, FullyShardedDataParallelPlugin
+from accelerate.utils.dataclasses import GradientAccumulationPlugin, GradScalerKwargs, TorchDynamoPlugin
 
 from .cli import run_cli
 from .config import TrainConfig
