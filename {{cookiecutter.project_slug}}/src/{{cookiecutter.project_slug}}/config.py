@@ -37,7 +37,7 @@ def whole_or_auto(value) -> int | str:
 
 
 @dataclass
-class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after the core's, in EXTRAS' order
+class TrainConfig(*reversed([module.Keys for module in extras.modules()])):  # the extras' keys after the core's
     """Everything one training run needs: each field is a YAML key and a `--flag`; the baked extras add theirs."""
 
     task: Literal["causal_lm", "sequence_classification", "chat"] = key(

@@ -174,22 +174,15 @@ class PreparationLock:
     def release(self, error: str | None = None) -> None:
         """Leave the lock (and `error` for the waiting processes) unless another process took it over."""
         self.held.clear()
-        if self.mine():
+        if is_mine(read_holder(self.path)):
             if error is not None:
                 self.error.write_text(error)
             self.path.unlink(missing_ok=True)
 
-    def mine(self) -> bool:
-        return is_mine(self.holder())
-
-    def holder(self) -> dict:
-        """Who holds the lock ({} where unknown: not written yet, or gone)."""
-        return read_holder(self.path)
-
     def gone(self) -> dict | None:
         """The lock's holder where it died (at once on this host; elsewhere once its heartbeat is
         older than STALE_S), else None."""
-        holder = self.holder()
+        holder = read_holder(self.path)
         here = running_here(holder) if "pid" in holder else None
         with contextlib.suppress(OSError):
             if here is False or here is None and time.time() - self.path.stat().st_mtime > STALE_S:
