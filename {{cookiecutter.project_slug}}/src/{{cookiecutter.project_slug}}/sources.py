@@ -68,10 +68,6 @@ class Source:
     files: dict[str, list[Path]] | None = None
     saved: Path | None = None
 
-    @property
-    def builder(self) -> str:
-        return BUILDERS[self.files["train"][0].suffix]
-
 
 def _shard_number(match: re.Match) -> int:
     return int(match["n"] if match["n"] is not None else match["i"])
@@ -230,7 +226,7 @@ def read_raw(source: Source, cache_dir: Path | None) -> dict[str, list[tuple[str
         if source.saved is not None:
             raw = load_from_disk(str(source.saved))
         elif source.files is not None:
-            return {split: [(str(path), _read_file(path, source.builder, cache)) for path in paths]
+            return {split: [(str(path), _read_file(path, BUILDERS[path.suffix], cache)) for path in paths]
                     for split, paths in source.files.items()}
         else:
             try:

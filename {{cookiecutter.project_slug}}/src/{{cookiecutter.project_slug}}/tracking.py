@@ -171,10 +171,8 @@ class Tracker:
 
     def __init__(self, cfg: TrainConfig, env: DistEnv, plan: BatchPlan, total_steps: int, start_step: int,
                  resumed: bool, accelerator=None):
-        self.active = env.is_main_process
-        self.path = Path(cfg.output_dir) / "metrics.jsonl"
-        self.wandb_run = None
-        self.start = time.perf_counter()
+        self.active, self.path = env.is_main_process, Path(cfg.output_dir) / "metrics.jsonl"
+        self.wandb_run, self.start = None, time.perf_counter()
         self.last_elapsed = 0.0  # elapsed_s of the previous step record, for tokens_per_s
         if not self.active:
             return
