@@ -71,8 +71,9 @@ class TrainConfig(*reversed([module.Keys for module in extras.modules()])):  # t
     num_epochs: int = key("Epochs to train when max_steps is -1.", 3, resume="length", data=False)
 
     micro_batch_size: whole_or_auto = key(
-        "Examples per forward pass on each process; auto: the largest that fits in memory (from global_batch_size / "
-        "world_size, halved until one micro-step fits).", {{ cookiecutter.micro_batch_size }}, resume="free", data=False)
+        "Examples per forward pass on each process; auto: the largest that fits in memory (from "
+        "global_batch_size / world_size, halved until one micro-step fits).", {{ cookiecutter.micro_batch_size }},
+        resume="free", data=False)
     global_batch_size: int = key("Examples per optimizer step, summed over processes.",
                                   {{ cookiecutter.global_batch_size }}, resume="match", data=False)
 

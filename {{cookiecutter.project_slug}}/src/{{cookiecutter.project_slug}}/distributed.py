@@ -51,8 +51,7 @@ class DistEnv:
 
 
 def _env_int(name: str, default: int | None = None) -> int:
-    value = os.environ.get(name)
-    if value is None or value == "":
+    if not (value := os.environ.get(name)):
         if default is None:
             raise ConfigError(f"{name} is not set, but WORLD_SIZE is {os.environ['WORLD_SIZE']}: start the "
                               "processes with torchrun (or accelerate launch, srun), which sets it for each one")
