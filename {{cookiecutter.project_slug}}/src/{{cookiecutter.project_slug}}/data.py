@@ -108,5 +108,4 @@ def eval_dataloader(eval_set, rank: int, world_size: int, batch_size: int,
 def example_sizes(dataset) -> tuple[np.ndarray, np.ndarray]:
     """Each example's tokens (a packed block: max_seq_len) and targets (its labels_for counted as the
     loss counts them, once, when it was prepared), from the prepared columns: no pass over the tokens."""
-    lengths = pc.list_value_length(dataset.data.column("input_ids")).to_numpy()
-    return lengths, dataset.data.column(TARGETS).to_numpy()
+    return pc.list_value_length(dataset.data.column("input_ids")).to_numpy(), dataset.data.column(TARGETS).to_numpy()

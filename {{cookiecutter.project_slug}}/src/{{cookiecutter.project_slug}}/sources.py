@@ -135,8 +135,7 @@ def check_source(source: Source, task: str) -> None:
     or schema) has the task's columns. A warm start skips them: its data was checked whole when it was prepared."""
     for split in SPLITS if source.saved is not None else ():
         try:
-            info = json.loads((source.saved / split / "dataset_info.json").read_text())
-            names = list(info["features"])
+            names = list(json.loads((source.saved / split / "dataset_info.json").read_text())["features"])
         except (OSError, ValueError, KeyError) as err:
             raise ConfigError(f"dataset {source.saved} split {split} is not a readable save_to_disk() "
                               f"folder ({err!r})") from None
@@ -163,8 +162,7 @@ def _check_first_record(path: Path, split: str, task: str) -> None:
             raise ConfigError(f"dataset file {path} holds no examples: split {split} needs some")
         if path.suffix == ".json" and line.lstrip().startswith("["):
             return  # a JSON array: its records are checked when it is read
-        record = _parse_json_line(path, number, line)
-        names = list(record)
+        names = list(_parse_json_line(path, number, line))
     _check_columns(names, f"dataset file {path}", task)
 
 
