@@ -69,8 +69,8 @@ def read_holder(path: Path) -> dict:
     return {}
 
 
-def is_mine(holder: dict) -> bool:
-    return holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+def is_mine(holder: dict | None) -> bool:
+    return (holder or {}).get("host") == socket.gethostname() and (holder or {}).get("pid") == os.getpid()
 
 
 def describe(holder: dict) -> str:
@@ -90,11 +90,17 @@ class OutputLock:
         self.held, self.stop, self.writing = False, threading.Event(), threading.Lock()
         self.beat_at, self.lost = time.monotonic(), None  # the last beat; the job that took the folder over
 
-    def check(self, holder: dict | None = None) -> dict | None:
-        """ConfigError where another running job holds the folder (`holder`, else read now); else the gone
-        job whose lock this one takes over (None: free, or this very job before a restart)."""
-        holder = holder or read_holder(self.path)
-        if not holder or is_mine(holder) or self.mine["job"] and holder.get("job") == self.mine["job"]:
+    def holder(self) -> dict | None:
+        """Who holds the folder now; None where nobody does (or the lock file is unreadable)."""
+        return read_holder(self.path) or None
+
+    def check(self) -> dict | None:
+        """ConfigError where another running job holds the folder; else the gone job whose lock this one
+        takes over (None: free, or this very job before a restart)."""
+        return self._judge(self.holder())
+
+    def _judge(self, holder: dict | None) -> dict | None:
+        if holder is None or is_mine(holder) or self.mine["job"] and holder.get("job") == self.mine["job"]:
             return None
         here = running_here(holder)  # still running? On this host its pid says, elsewhere its heartbeat
         if here or here is None and time.time() - float(holder.get("heartbeat", 0)) <= STALE_S:
@@ -104,12 +110,12 @@ class OutputLock:
 
     def take(self, env: DistEnv) -> None:
         """Every rank checks; rank 0 writes the lock and beats until the process ends (or `release`)."""
-        holder = read_holder(self.path)
-        gone = self.check(holder)
+        holder = self.holder()
+        gone = self._judge(holder)
         if not env.is_main_process:
             return
         try:
-            self._write(exclusive=not holder)
+            self._write(exclusive=holder is None)
         except FileExistsError:  # another job wrote its lock since the check: it holds the folder now
             gone = self.check()
             self._write()
@@ -138,8 +144,8 @@ class OutputLock:
     def _beat(self) -> None:
         while not self.stop.wait(HEARTBEAT_S):
             with self.writing, contextlib.suppress(OSError):
-                holder = read_holder(self.path)
-                if holder and not is_mine(holder):  # taken over while this job was paused
+                holder = self.holder()
+                if holder is not None and not is_mine(holder):  # taken over while this job was paused
                     self.lost = holder
                     return
                 if not self.stop.is_set():
@@ -150,8 +156,8 @@ class OutputLock:
         """JobFailed where another job took the folder over while this one was paused (as a suspended
         SLURM job is) past the stale time: read again only when the last beat is older than two beats."""
         if self.lost is None and time.monotonic() - self.beat_at > 2 * HEARTBEAT_S:
-            holder = read_holder(self.path)
-            self.lost = None if not holder or is_mine(holder) else holder
+            holder = self.holder()
+            self.lost = None if holder is None or is_mine(holder) else holder
         if self.lost is not None:
             self.held = False  # the lock is the other job's now
             raise JobFailed(f"output_dir {self.path.parent} was taken over by another job ({describe(self.lost)}) "
@@ -164,7 +170,8 @@ class OutputLock:
         self.held = False
         with self.writing:
             self.stop.set()
-            if is_mine(read_holder(self.path)):
+            holder = self.holder()
+            if is_mine(holder):
                 self.path.unlink(missing_ok=True)
 
 
