@@ -173,10 +173,9 @@ def resume_point(cfg: TrainConfig) -> Path | None:
         raise ConfigError(f"output_dir {out} is a file; choose a folder")
     done, found = (finished / STATE_FILE).is_file(), complete_checkpoints(cfg.output_dir)
     if cfg.resume_from_checkpoint == "" and done:
-        raise ConfigError(
-            f"output_dir {out} holds a finished run ({finished}, step {read_state(finished)['step']}); to train "
-            f"it further start a new run from it (--model_name_or_path {finished} --output_dir NEW_DIR), or "
-            "choose another --output_dir")
+        raise ConfigError(f"output_dir {out} holds a finished run ({finished}, step {read_state(finished)['step']}); "
+                          f"to train it further start a new run from it (--model_name_or_path {finished} --output_dir "
+                          "NEW_DIR), or choose another --output_dir")
     if cfg.resume_from_checkpoint == "" and found:
         raise ConfigError(f"output_dir {out} already holds checkpoints ({found[-1].name}); pass "
                           "--resume_from_checkpoint auto to continue, or choose another --output_dir")

@@ -37,37 +37,32 @@ def whole_or_auto(value) -> int | str:
 
 
 @dataclass
-class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after the core's, in EXTRAS' order
+class TrainConfig(*reversed([module.Keys for module in extras.modules()])):  # the extras' keys after the core's
     """Everything one training run needs: each field is a YAML key and a `--flag`; the baked extras add theirs."""
 
     task: Literal["causal_lm", "sequence_classification", "chat"] = key(
         "causal_lm (next-token prediction), sequence_classification, or chat (conversations rendered with the "
         "tokenizer's chat template, the loss on the assistant's tokens only).", "{{ cookiecutter.task }}",
         resume="match", data=True)
-    model_name_or_path: str = key(
-        "'tiny' builds a small model from a config (no download); else a Hugging Face model name "
-        "or local path.", "tiny", resume="match", data=True)
+    model_name_or_path: str = key("'tiny' builds a small model from a config (no download); else a Hugging Face model "
+                                  "name or local path.", "tiny", resume="match", data=True)
     model_factory: str = key(
         "Your own model: 'package.module:function', called with vocab_size, num_labels (None for causal_lm, chat) "
         "and cfg, returning an nn.Module whose forward(input_ids, attention_mask) gives logits; empty: the "
         "Hugging Face auto classes (model_name_or_path still names the tokenizer).", "", resume="match", data=False)
-    dataset: str = key(
-        "'builtin' (the data shipped with this project for the task), a folder holding "
-        "train/validation .jsonl/.json/.csv/.parquet files or a save_to_disk() dataset, or a "
-        "Hugging Face dataset name.", "builtin", resume="match", data=True)
+    dataset: str = key("'builtin' (the data shipped with this project for the task), a folder holding "
+                       "train/validation .jsonl/.json/.csv/.parquet files or a save_to_disk() dataset, or a Hugging "
+                       "Face dataset name.", "builtin", resume="match", data=True)
     max_seq_len: int = key("Longest sequence in tokens; longer examples are truncated (packed: the block length).",
                             64, resume="match", data=True)
-    packing: bool = key(
-        "causal_lm and chat: join the documents (one EOS between them) into blocks of max_seq_len tokens, no "
-        "padding; attention then crosses document boundaries inside a block, as in HF's run_clm.", False,
-        resume="match", data=True)
-    data_cache_dir: str = key(
-        "Where the tokenised data is prepared once and memory-mapped by every process and later run on the "
-        "same data and settings; on a cluster, a folder every node sees (else each node prepares its own).",
-        "data_cache", resume="free", data=False)
-    data_num_proc: int = key(
-        "Processes that tokenise while the data is prepared; 0: up to 8 for 100k examples or more, else 1.", 0,
-        resume="free", data=False)
+    packing: bool = key("causal_lm and chat: join the documents (one EOS between them) into blocks of max_seq_len "
+                        "tokens, no padding; attention then crosses document boundaries inside a block, as in HF's "
+                        "run_clm.", False, resume="match", data=True)
+    data_cache_dir: str = key("Where the tokenised data is prepared once and memory-mapped by every process and later "
+                              "run on the same data and settings; on a cluster, a folder every node sees (else each "
+                              "node prepares its own).", "data_cache", resume="free", data=False)
+    data_num_proc: int = key("Processes that tokenise while the data is prepared; 0: up to 8 for 100k examples or "
+                             "more, else 1.", 0, resume="free", data=False)
 
     output_dir: str = key("Folder for metrics.jsonl, checkpoints/ and final_model/.", "runs/default",
                           resume="free", data=False)
@@ -108,48 +103,40 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = key(
         "The model's attention: auto (sdpa where the model supports it, else eager; the run records which), sdpa, "
         "eager, or flash_attention_2 (needs flash-attn and bf16/fp16).", "auto", resume="free", data=False)
-    dataloader_workers: int = key(
-        "Processes that collate the next micro-batches while the device computes; -1: 4 on CUDA (with "
-        "pinned memory), 0 on CPU.", -1, resume="free", data=False)
-    peak_tflops: float = key(
-        "The device's peak TFLOP/s for MFU; 0 takes it from a table of common GPUs (none on CPU: no mfu).", 0.0,
-        resume="free", data=False)
+    dataloader_workers: int = key("Processes that collate the next micro-batches while the device computes; -1: 4 on "
+                                  "CUDA (with pinned memory), 0 on CPU.", -1, resume="free", data=False)
+    peak_tflops: float = key("The device's peak TFLOP/s for MFU; 0 takes it from a table of common GPUs (none on CPU: "
+                             "no mfu).", 0.0, resume="free", data=False)
 
     eval_every: int = key("Evaluate every N optimizer steps (N beyond the run: once, at its end); 0 evaluates once "
                           "per epoch.", 0, resume="free", data=False)
-    log_every: int = key(
-        "Print the progress line every N optimizer steps (and after the last); 0: about 30 lines per run.", 0,
-        resume="free", data=False)
-    report_to: Literal["wandb", "none"] = key(
-        "wandb logs to Weights & Biases (offline when no API key is set); none disables it.",
-        "wandb", resume="free", data=False)
+    log_every: int = key("Print the progress line every N optimizer steps (and after the last); 0: about 30 lines per "
+                         "run.", 0, resume="free", data=False)
+    report_to: Literal["wandb", "none"] = key("wandb logs to Weights & Biases (offline when no API key is set); none "
+                                              "disables it.", "wandb", resume="free", data=False)
     wandb_project: str = key("Weights & Biases project.", "{{ cookiecutter.wandb_project }}", resume="free", data=False)
     wandb_entity: str = key("Weights & Biases entity; empty for your default.",
                              "{{ cookiecutter.wandb_entity }}", resume="free", data=False)
     save_steps: int = key("Write checkpoints/step_<N>/ every N optimizer steps; 0 never.", 0, resume="free", data=False)
     save_total_limit: int = key("Keep the newest K checkpoints; 0 keeps all.", 2, resume="free", data=False)
-    resume_from_checkpoint: str = key(
-        "'auto' continues from the newest complete checkpoint in output_dir (or starts fresh "
-        "when there is none); a path continues from that checkpoint; empty starts fresh.", "",
-        resume="free", data=False)
-    stop_after_steps: int = key(
-        "End this job after N optimizer steps of this job with a checkpoint, as if preempted; "
-        "0 runs to the end. The schedule still spans max_steps.", 0, resume="free", data=False)
+    resume_from_checkpoint: str = key("'auto' continues from the newest complete checkpoint in output_dir (or starts "
+                                      "fresh when there is none); a path continues from that checkpoint; empty starts "
+                                      "fresh.", "", resume="free", data=False)
+    stop_after_steps: int = key("End this job after N optimizer steps of this job with a checkpoint, as if preempted; "
+                                "0 runs to the end. The schedule still spans max_steps.", 0, resume="free", data=False)
     max_nonfinite_steps: int = key(
         "A step whose loss or gradient norm is not finite is skipped (parameters, optimizer and schedule "
         "untouched); after this many in a row the job stops with exit code 3.", 3, resume="free", data=False)
 
     deepspeed: str = key("DeepSpeed JSON config (train_accelerate and train_trainer).", "", resume="free", data=False)
-    ddp_no_sync: bool = key(
-        "Skip DDP's gradient all-reduce on all but the last micro-step of each optimizer step. "
-        "Turn off only to measure what it saves.", True, resume="free", data=False)
+    ddp_no_sync: bool = key("Skip DDP's gradient all-reduce on all but the last micro-step of each optimizer step. "
+                            "Turn off only to measure what it saves.", True, resume="free", data=False)
     ddp_bucket_cap_mb: float = key("DDP gradient bucket size in MiB.", 25.0, resume="free", data=False)
     fsdp_grad_sync: Literal["micro_step", "window"] = key(
         "FSDP2: reduce-scatter the gradients every micro-step (sharded, least memory) or once per window "
         "(unsharded gradients held across it, fewer collectives).", "micro_step", resume="free", data=False)
-    rendezvous_timeout_s: float = key(
-        "Seconds to wait for every process to join the process group before giving up with one line.", 300.0,
-        resume="free", data=False)
+    rendezvous_timeout_s: float = key("Seconds to wait for every process to join the process group before giving up "
+                                      "with one line.", 300.0, resume="free", data=False)
     collective_timeout_s: float = key(
         "Seconds a collective (all-reduce, barrier) may wait for the other processes: a process that "
         "stops responding fails the job after this long instead of hanging it.", 600.0, resume="free", data=False)
@@ -178,8 +165,8 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
             raise ConfigError(f"seed must be a whole number from 0 to {2**32 - 1}, got {self.seed}")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"max_steps must be -1 (train num_epochs) or >= 1, got {self.max_steps}")
-        if not self.learning_rate > 0:
-            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        for name in (name for name in ("learning_rate", "ddp_bucket_cap_mb") if not getattr(self, name) > 0):
+            raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.dataloader_workers < -1:
@@ -189,8 +176,6 @@ class TrainConfig(*reversed(extras.key_classes())):  # each extra's keys after t
         if self.packing and self.task == "sequence_classification":
             raise ConfigError(f"packing joins documents for causal_lm and chat; task {self.task} keeps one example per "
                               "sequence: set packing false")
-        if self.ddp_bucket_cap_mb <= 0:
-            raise ConfigError(f"ddp_bucket_cap_mb must be > 0, got {self.ddp_bucket_cap_mb}")
         extras.check(self)
 
     def to_dict(self) -> dict:
@@ -311,9 +296,8 @@ def _read_yaml(path: str) -> dict:
 
 
 def load_config(argv: list[str] | None = None) -> TrainConfig:
-    """Read the `--config` files (default configs/train.yaml; given more than once, later files
-    override earlier ones), then apply the command-line flags over them. `--help` lists every flag
-    with the value the config files give it."""
+    """Read the `--config` files (default configs/train.yaml; given more than once, later files override earlier ones),
+    then apply the command-line flags over them. `--help` lists every flag with the value the config files give it."""
     argv = sys.argv[1:] if argv is None else argv
     parser = _Parser(TrainConfig, description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--config", action="append", help="YAML file(s) with the defaults; later ones win.")

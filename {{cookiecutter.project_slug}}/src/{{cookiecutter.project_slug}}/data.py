@@ -35,12 +35,11 @@ class _Marked(Dataset):
 
 
 def labels_for(example: dict, task: str) -> torch.Tensor:
-    """THE labelling rule: one example's labels, what its loss counts (-100: not counted). The
-    Collator labels every micro-batch with it and preparation counts each example's targets with it
-    (each step's divisor), so change what the loss counts here and only here; its source is part of
-    the data cache's key and of data_fingerprint (a resume after a change is refused). causal_lm:
-    the tokens themselves (summed_loss shifts them: token t is position t-1's target); a prompt mask
-    is `labels[:k] = IGNORE_INDEX` on this copy; chat: the assistant's tokens only. Classification: the
+    """THE labelling rule: one example's labels, what its loss counts (-100: not counted). The Collator labels every
+    micro-batch with it and preparation counts each example's targets with it (each step's divisor), so change what the
+    loss counts here and only here; its source is part of the data cache's key and of data_fingerprint (a resume after a
+    change is refused). causal_lm: the tokens themselves (summed_loss shifts them: token t is position t-1's target); a
+    prompt mask is `labels[:k] = IGNORE_INDEX` on this copy; chat: the assistant's tokens only. Classification: the
     example's label."""
     if task == "sequence_classification":
         return torch.tensor(example["label"])
@@ -109,5 +108,4 @@ def eval_dataloader(eval_set, rank: int, world_size: int, batch_size: int,
 def example_sizes(dataset) -> tuple[np.ndarray, np.ndarray]:
     """Each example's tokens (a packed block: max_seq_len) and targets (its labels_for counted as the
     loss counts them, once, when it was prepared), from the prepared columns: no pass over the tokens."""
-    lengths = pc.list_value_length(dataset.data.column("input_ids")).to_numpy()
-    return lengths, dataset.data.column(TARGETS).to_numpy()
+    return pc.list_value_length(dataset.data.column("input_ids")).to_numpy(), dataset.data.column(TARGETS).to_numpy()

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from .config import TrainConfig, keys_where
 from .data import labels_for
 from .errors import ConfigError
-from .output_lock import process_started, running_here
+from .output_lock import is_mine, process_started, read_holder, running_here
 
 CACHE_FORMAT = 3  # bump when what preparation writes changes: older caches are then not used
 META_FILE = "prepared.json"
@@ -73,11 +73,7 @@ def _blocks(path: Path, wanted=None) -> list[int]:
     with path.open("rb") as f:
         if wanted is None:
             return [zlib.crc32(piece) for piece in iter(lambda: f.read(BLOCK), b"")]
-        found = []
-        for index in wanted:
-            f.seek(index * BLOCK)
-            found.append(zlib.crc32(f.read(BLOCK)))
-        return found
+        return [zlib.crc32(os.pread(f.fileno(), BLOCK, index * BLOCK)) for index in wanted]
 
 
 def _wanted(size: int) -> list[int]:
@@ -178,26 +174,15 @@ class PreparationLock:
     def release(self, error: str | None = None) -> None:
         """Leave the lock (and `error` for the waiting processes) unless another process took it over."""
         self.held.clear()
-        if self.mine():
+        if is_mine(read_holder(self.path)):
             if error is not None:
                 self.error.write_text(error)
             self.path.unlink(missing_ok=True)
 
-    def mine(self) -> bool:
-        holder = self.holder()
-        return holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
-
-    def holder(self) -> dict:
-        """Who holds the lock ({} where unknown: not written yet, or gone)."""
-        with contextlib.suppress(OSError, ValueError):
-            who = json.loads(self.path.read_text())
-            return who if isinstance(who, dict) else {}
-        return {}
-
     def gone(self) -> dict | None:
         """The lock's holder where it died (at once on this host; elsewhere once its heartbeat is
         older than STALE_S), else None."""
-        holder = self.holder()
+        holder = read_holder(self.path)
         here = running_here(holder) if "pid" in holder else None
         with contextlib.suppress(OSError):
             if here is False or here is None and time.time() - self.path.stat().st_mtime > STALE_S:

@@ -51,8 +51,7 @@ class DistEnv:
 
 
 def _env_int(name: str, default: int | None = None) -> int:
-    value = os.environ.get(name)
-    if value is None or value == "":
+    if not (value := os.environ.get(name)):
         if default is None:
             raise ConfigError(f"{name} is not set, but WORLD_SIZE is {os.environ['WORLD_SIZE']}: start the "
                               "processes with torchrun (or accelerate launch, srun), which sets it for each one")
@@ -178,8 +177,7 @@ class PreemptionSignal:
     (Session.read_step). SIGTERM exits 143 so that a Job restarts it, SIGUSR1 0. docs/launching.md tells the story."""
 
     def __init__(self) -> None:
-        self.received = False  # SIGUSR1 or SIGTERM
-        self.terminated = False  # SIGTERM
+        self.received, self.terminated = False, False  # SIGUSR1 or SIGTERM; SIGTERM
         for signum in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(signum, self._handle)
 
@@ -255,8 +253,7 @@ class GradSyncCounter:
     def __init__(self, ddp_model) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        self.calls = 0
-        self._allreduce = default_hooks.allreduce_hook
+        self.calls, self._allreduce = 0, default_hooks.allreduce_hook
         ddp_model.register_comm_hook(None, self.hook)
 
     def hook(self, state, bucket):

@@ -17,8 +17,7 @@ class JobFailed(Exception):
 
     def __init__(self, message: str, exit_code: int = 1, agreed: bool = False):
         super().__init__(message)
-        self.exit_code = exit_code
-        self.agreed = agreed
+        self.exit_code, self.agreed = exit_code, agreed
 
 
 class RunFinished(Exception):

@@ -13,8 +13,7 @@ from .model import count_targets, summed_loss
 
 def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_labels: int) -> np.ndarray:
     keep = labels >= 0
-    index = labels[keep] * num_labels + preds[keep]
-    return np.bincount(index, minlength=num_labels**2).reshape(num_labels, num_labels)
+    return np.bincount(labels[keep] * num_labels + preds[keep], minlength=num_labels**2).reshape(num_labels, num_labels)
 
 
 def eval_metrics(loss_sum: float, targets: float, confusion: np.ndarray | None) -> dict[str, float]:

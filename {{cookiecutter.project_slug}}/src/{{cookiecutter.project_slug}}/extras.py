@@ -65,11 +65,6 @@ def plug(extra: str, where: str, default=None):
     return getattr(importlib.import_module(f".{module}", __package__), name)
 
 
-def key_classes() -> list[type]:
-    """The baked extras' keys, each a dataclass that TrainConfig inherits."""
-    return [module.Keys for module in modules()]
-
-
 def check(cfg) -> None:
     """Each baked extra's checks of its own keys (ConfigError)."""
     for module in modules():

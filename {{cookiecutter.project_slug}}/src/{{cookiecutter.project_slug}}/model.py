@@ -12,17 +12,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_model, save_file, save_model
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    LlamaConfig,
-    PretrainedConfig,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers.configuration_utils import PretrainedConfig
 from transformers.initialization import no_init_weights
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.modeling_outputs import CausalLMOutput, SequenceClassifierOutput
+from transformers.models.llama import LlamaConfig
 
 from . import ASSETS
 from .checkpoint import FINAL_DIR
@@ -229,10 +224,8 @@ def fsdp_mixed_precision(cfg: TrainConfig) -> dict | None:
     """FSDP2's precision policy under mixed precision: the forward in bf16/fp16, gradients reduced
     in fp32, which is also where FSDP2 accumulates a window's unsynchronised micro-steps (its
     default, the forward's dtype, would sum them in bf16). None in fp32."""
-    if cfg.mixed_precision == "no":
-        return None
-    dtype = AMP_DTYPES[cfg.mixed_precision]
-    return {"param_dtype": dtype, "reduce_dtype": torch.float32, "output_dtype": dtype}
+    dtype = AMP_DTYPES.get(cfg.mixed_precision)
+    return {"param_dtype": dtype, "reduce_dtype": torch.float32, "output_dtype": dtype} if dtype else None
 
 
 def autocast_for(cfg: TrainConfig, device: torch.device):

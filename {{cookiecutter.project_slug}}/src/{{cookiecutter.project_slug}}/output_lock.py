@@ -61,6 +61,18 @@ def running_here(holder: dict) -> bool | None:
     return not holder.get("started") or process_started(int(holder["pid"])) in ("", holder["started"])
 
 
+def read_holder(path: Path) -> dict:
+    """Who a lock file names ({} where nobody does, or the file is unreadable)."""
+    with contextlib.suppress(OSError, ValueError):
+        holder = json.loads(path.read_text())
+        return holder if isinstance(holder, dict) else {}
+    return {}
+
+
+def is_mine(holder: dict | None) -> bool:
+    return (holder or {}).get("host") == socket.gethostname() and (holder or {}).get("pid") == os.getpid()
+
+
 def describe(holder: dict) -> str:
     since = datetime.fromtimestamp(float(holder.get("since", 0))).strftime("%Y-%m-%d %H:%M:%S")
     job = f", {holder['job']}" if holder.get("job") else ""
@@ -80,21 +92,15 @@ class OutputLock:
 
     def holder(self) -> dict | None:
         """Who holds the folder now; None where nobody does (or the lock file is unreadable)."""
-        with contextlib.suppress(OSError, ValueError):
-            holder = json.loads(self.path.read_text())
-            return holder if isinstance(holder, dict) else None
-        return None
+        return read_holder(self.path) or None
 
     def check(self) -> dict | None:
         """ConfigError where another running job holds the folder; else the gone job whose lock this one
         takes over (None: free, or this very job before a restart)."""
         return self._judge(self.holder())
 
-    def ours(self, holder: dict | None) -> bool:
-        return (holder or {}).get("host") == self.mine["host"] and (holder or {}).get("pid") == self.mine["pid"]
-
     def _judge(self, holder: dict | None) -> dict | None:
-        if holder is None or self.ours(holder) or self.mine["job"] and holder.get("job") == self.mine["job"]:
+        if holder is None or is_mine(holder) or self.mine["job"] and holder.get("job") == self.mine["job"]:
             return None
         here = running_here(holder)  # still running? On this host its pid says, elsewhere its heartbeat
         if here or here is None and time.time() - float(holder.get("heartbeat", 0)) <= STALE_S:
@@ -139,7 +145,7 @@ class OutputLock:
         while not self.stop.wait(HEARTBEAT_S):
             with self.writing, contextlib.suppress(OSError):
                 holder = self.holder()
-                if holder is not None and not self.ours(holder):  # taken over while this job was paused
+                if holder is not None and not is_mine(holder):  # taken over while this job was paused
                     self.lost = holder
                     return
                 if not self.stop.is_set():
@@ -151,7 +157,7 @@ class OutputLock:
         SLURM job is) past the stale time: read again only when the last beat is older than two beats."""
         if self.lost is None and time.monotonic() - self.beat_at > 2 * HEARTBEAT_S:
             holder = self.holder()
-            self.lost = None if holder is None or self.ours(holder) else holder
+            self.lost = None if holder is None or is_mine(holder) else holder
         if self.lost is not None:
             self.held = False  # the lock is the other job's now
             raise JobFailed(f"output_dir {self.path.parent} was taken over by another job ({describe(self.lost)}) "
@@ -165,7 +171,7 @@ class OutputLock:
         with self.writing:
             self.stop.set()
             holder = self.holder()
-            if self.ours(holder):
+            if is_mine(holder):
                 self.path.unlink(missing_ok=True)
 
 

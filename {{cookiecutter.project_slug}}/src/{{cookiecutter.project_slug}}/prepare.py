@@ -27,6 +27,7 @@ from .data import ASSISTANT, TARGETS, labels_for
 from .data_cache import HEARTBEAT_S, META_FILE, PreparationLock, cache_folder, checksums, content_fingerprint, damage
 from .errors import ConfigError, JobFailed, disk_full, interruptible
 from .model import count_targets, load_tokenizer
+from .output_lock import is_mine, read_holder
 from .sources import Source, check_source, find_source, join, place, quiet_datasets, read_raw, validate
 
 UNKNOWN_NOTED = 0.05  # a share of unknown training tokens that gets a note
@@ -50,12 +51,10 @@ def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig, work: Path) -> Datas
         return {"input_ids": ids}
 
     with quiet_datasets():
-        return DatasetDict({
-            split: ds.map(encode, batched=True, num_proc=num_proc if len(ds) >= 2 * num_proc else None,
-                          cache_file_name=str(work / f"{split}.arrow"),
-                          remove_columns=[c for c in ds.column_names if c not in keep])
-            for split, ds in raw.items()
-        })
+        return DatasetDict({split: ds.map(encode, batched=True, num_proc=num_proc if len(ds) >= 2 * num_proc else None,
+                                          cache_file_name=str(work / f"{split}.arrow"),
+                                          remove_columns=[c for c in ds.column_names if c not in keep])
+                            for split, ds in raw.items()})
 
 
 @contextlib.contextmanager
@@ -190,7 +189,7 @@ def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> 
 def taken_over(folder: Path, lock: PreparationLock) -> None:
     """This process was stopped while preparing (its heartbeat stale), another took the preparation
     over and removed what it had written: use the other's data where it is whole, else one line."""
-    who = lock.holder()
+    who = read_holder(lock.path)
     if damage(folder) != "":
         raise JobFailed(f"the preparation of {folder} was taken over by {who.get('host')}:{who.get('pid')} while "
                         "this process was stopped; start this job again once it has prepared the data")
@@ -238,7 +237,7 @@ def prepared_folder(cfg: TrainConfig, source: Source, tokenizer) -> Path:
                             try:
                                 _prepare_into(folder, source, tokenizer, cfg)
                             except Exception:
-                                if lock.mine():
+                                if is_mine(read_holder(lock.path)):
                                     raise
                                 taken_over(folder, lock)
                 except ConfigError as err:
@@ -256,7 +255,7 @@ def prepared_folder(cfg: TrainConfig, source: Source, tokenizer) -> Path:
                       f"{holder.get('pid', '?')}){left}; taking over", flush=True)
             else:
                 if not said and os.environ.get("RANK", "0") in ("0", ""):
-                    who = lock.holder()
+                    who = read_holder(lock.path)
                     print(f"data: waiting for {who.get('host', 'another process')}:{who.get('pid', '?')} to prepare "
                           f"{folder}", flush=True)
                     said = True

@@ -67,8 +67,7 @@ class Session:
     def __init__(self, run: Run, model: torch.nn.Module, accelerator=None, sync_counter=None):
         """Announce the run (rank 0) and start its record; `model` is the unwrapped model (for mfu), W&B
         goes through `accelerator` when given, `sync_counter` is DDP's GradSyncCounter (or a sharded model's)."""
-        self.run, self.cfg, self.env = run, run.cfg, run.env
-        self.sync_counter = sync_counter
+        self.run, self.cfg, self.env, self.sync_counter = run, run.cfg, run.env, sync_counter
         self.stop_signal = ""  # the preemption signal any rank got (SIGTERM before SIGUSR1), as of the latest read
         self.sampler = run.sampler()
         self.retry = Retry(self)  # the windows, taken again after an out-of-memory error where auto_batch is baked

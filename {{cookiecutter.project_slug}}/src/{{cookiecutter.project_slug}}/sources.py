@@ -68,10 +68,6 @@ class Source:
     files: dict[str, list[Path]] | None = None
     saved: Path | None = None
 
-    @property
-    def builder(self) -> str:
-        return BUILDERS[self.files["train"][0].suffix]
-
 
 def _shard_number(match: re.Match) -> int:
     return int(match["n"] if match["n"] is not None else match["i"])
@@ -129,21 +125,17 @@ def find_source(cfg: TrainConfig) -> Source:
     if len({BUILDERS[p.suffix] for paths in files.values() for p in paths}) > 1:
         raise ConfigError(f"dataset {folder}: {files['train'][0].name} and {files['validation'][0].name} must have "
                           "one format")
-    for split, paths in files.items():
-        for path in paths:
-            if path.stat().st_size == 0:
-                raise ConfigError(f"dataset file {path} is empty: split {split} needs examples")
+    for split, path in ((split, p) for split, paths in files.items() for p in paths if p.stat().st_size == 0):
+        raise ConfigError(f"dataset file {path} is empty: split {split} needs examples")
     return Source(cfg.dataset, files=files)
 
 
 def check_source(source: Source, task: str) -> None:
-    """The cheap checks, run by every process before any waits for the preparation: each file's
-    first record (or header, or schema) has the task's columns. A warm start skips them: its data
-    was checked whole when it was prepared."""
+    """The cheap checks, run by every process before any waits for the preparation: each file's first record (or header,
+    or schema) has the task's columns. A warm start skips them: its data was checked whole when it was prepared."""
     for split in SPLITS if source.saved is not None else ():
         try:
-            info = json.loads((source.saved / split / "dataset_info.json").read_text())
-            names = list(info["features"])
+            names = list(json.loads((source.saved / split / "dataset_info.json").read_text())["features"])
         except (OSError, ValueError, KeyError) as err:
             raise ConfigError(f"dataset {source.saved} split {split} is not a readable save_to_disk() "
                               f"folder ({err!r})") from None
@@ -170,8 +162,7 @@ def _check_first_record(path: Path, split: str, task: str) -> None:
             raise ConfigError(f"dataset file {path} holds no examples: split {split} needs some")
         if path.suffix == ".json" and line.lstrip().startswith("["):
             return  # a JSON array: its records are checked when it is read
-        record = _parse_json_line(path, number, line)
-        names = list(record)
+        names = list(_parse_json_line(path, number, line))
     _check_columns(names, f"dataset file {path}", task)
 
 
@@ -233,7 +224,7 @@ def read_raw(source: Source, cache_dir: Path | None) -> dict[str, list[tuple[str
         if source.saved is not None:
             raw = load_from_disk(str(source.saved))
         elif source.files is not None:
-            return {split: [(str(path), _read_file(path, source.builder, cache)) for path in paths]
+            return {split: [(str(path), _read_file(path, BUILDERS[path.suffix], cache)) for path in paths]
                     for split, paths in source.files.items()}
         else:
             try:
@@ -367,8 +358,7 @@ def validate(parts: dict[str, list[tuple[str, object]]], source: Source, task: s
             _check_texts(data, part, split, task)
     if task != "sequence_classification":
         return 0
-    labels = {split: set().union(*(_labels_of(data, part) for part, data in parts[split]))
-              for split in SPLITS}
+    labels = {split: set().union(*(_labels_of(data, part) for part, data in parts[split])) for split in SPLITS}
     classes = max(labels["train"]) + 1
     if classes < 2:
         raise ConfigError(f"dataset {where['train']}: every training label is 0, one class; classification needs "
@@ -377,8 +367,7 @@ def validate(parts: dict[str, list[tuple[str, object]]], source: Source, task: s
     if missing:
         shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
         raise ConfigError(f"dataset {where['train']}: training labels must be 0..{classes - 1} with every class "
-                          f"present, but {len(missing)} of them have no example ({shown}); number the classes "
-                          "0..K-1")
+                          f"present, but {len(missing)} of them have no example ({shown}); number the classes 0..K-1")
     for part, data in parts["validation"]:
         unknown = sorted(set(pc.unique(data.data.column("label")).to_pylist()) - labels["train"])
         if unknown:

@@ -40,10 +40,9 @@ DEVICE_MODELS = {
     "NVIDIA H100 80GB HBM3": "H100 SXM", "NVIDIA H100 PCIe": "H100 PCIe", "NVIDIA H100 NVL": "H100 NVL",
     "NVIDIA H200": "H200 SXM", "NVIDIA H200 NVL": "H200 NVL", "NVIDIA GH200 480GB": "GH200",
     "NVIDIA A100-SXM4-80GB": "A100", "NVIDIA A100-SXM4-40GB": "A100", "NVIDIA A100-PCIE-40GB": "A100",
-    "NVIDIA A100 80GB PCIe": "A100", "NVIDIA L40S": "L40S", "NVIDIA L40": "L40", "NVIDIA A10": "A10",
-    "NVIDIA L4": "L4", "NVIDIA GeForce RTX 4090": "RTX 4090", "Tesla V100-SXM2-16GB": "V100 SXM",
-    "Tesla V100-SXM2-32GB": "V100 SXM", "Tesla V100-PCIE-16GB": "V100 PCIe", "Tesla V100-PCIE-32GB": "V100 PCIe",
-    "Tesla T4": "T4",
+    "NVIDIA A100 80GB PCIe": "A100", "NVIDIA L40S": "L40S", "NVIDIA L40": "L40", "NVIDIA A10": "A10", "NVIDIA L4": "L4",
+    "NVIDIA GeForce RTX 4090": "RTX 4090", "Tesla V100-SXM2-16GB": "V100 SXM", "Tesla V100-SXM2-32GB": "V100 SXM",
+    "Tesla V100-PCIE-16GB": "V100 PCIe", "Tesla V100-PCIE-32GB": "V100 PCIe", "Tesla T4": "T4",
 }
 
 
@@ -72,8 +71,7 @@ def peak_flops(cfg: TrainConfig, device: torch.device) -> float:
         return cfg.peak_tflops * 1e12
     if device.type != "cuda":
         return 0.0
-    peak = peak_tflops_for(torch.cuda.get_device_name(device), matmul_precision(cfg, device))
-    return (peak or 0) * 1e12
+    return (peak_tflops_for(torch.cuda.get_device_name(device), matmul_precision(cfg, device)) or 0) * 1e12
 
 
 def numel(parameter: torch.nn.Parameter) -> int:

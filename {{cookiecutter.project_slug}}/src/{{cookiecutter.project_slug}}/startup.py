@@ -8,17 +8,7 @@ from pathlib import Path
 
 import transformers
 
-from .checkpoint import (
-    check_same_data,
-    check_same_entry,
-    check_same_training,
-    final_dir,
-    library_versions,
-    note_versions,
-    read_state,
-    resume_point,
-    verify_checkpoint,
-)
+from . import checkpoint
 from .config import TrainConfig
 from .distributed import DistEnv, PreemptionSignal, dist_env, init_distributed, print0
 from .errors import ConfigError, RunFinished
@@ -95,7 +85,8 @@ class Run:
         return {"step": step, "world_size": self.env.world_size, "entry": self.launch.entry,
                 "backend": self.launch.backend, "total_steps": self.total_steps,
                 "num_train_examples": len(self.data["train"]), "data_fingerprint": self.data_fingerprint,
-                "micro_batch_size": micro_batch_size, "config": self.cfg.to_dict(), "versions": library_versions()}
+                "micro_batch_size": micro_batch_size, "config": self.cfg.to_dict(),
+                "versions": checkpoint.library_versions()}
 
 
 def start(cfg: TrainConfig, entry: str) -> Run:
@@ -112,13 +103,13 @@ def start(cfg: TrainConfig, entry: str) -> Run:
     schedule = schedule_of(cfg, launch)
     check_back_end(cfg, env, launch)
     check_wandb(cfg)
-    resume = resume_point(cfg)
-    state, finished, lock = None, resume == final_dir(cfg.output_dir), OutputLock(cfg.output_dir)
+    resume = checkpoint.resume_point(cfg)
+    state, finished, lock = None, resume == checkpoint.final_dir(cfg.output_dir), OutputLock(cfg.output_dir)
     if resume is not None:
-        state = read_state(resume) if finished else verify_checkpoint(resume)
-        check_same_training(state, cfg, resume)
+        state = checkpoint.read_state(resume) if finished else checkpoint.verify_checkpoint(resume)
+        checkpoint.check_same_training(state, cfg, resume)
         if not finished:
-            check_same_entry(state, entry, launch.backend, resume)
+            checkpoint.check_same_entry(state, entry, launch.backend, resume)
     if not finished:
         out = Path(cfg.output_dir)
         try:
@@ -154,10 +145,10 @@ def _start(cfg: TrainConfig, env: DistEnv, launch: Launch, schedule: tuple, resu
                           f"{f'blocks of {cfg.max_seq_len} tokens' if cfg.packing else 'examples'}; use a global "
                           f"batch of at most {len(data['train'])}, or more data")
     if state is not None:
-        check_same_data(state, cfg, prepared.fingerprint, len(data["train"]), resume)
+        checkpoint.check_same_data(state, cfg, prepared.fingerprint, len(data["train"]), resume)
         if finished:
             raise RunFinished(f"already done at step {state['step']}: {resume} (nothing changed)")
-        note_versions(state, resume)
+        checkpoint.note_versions(state, resume)
     if auto:  # the ranks meet once, to agree on the micro batch
         plan = auto_plan(cfg, config, env, state)
     check_launcher_env(plan)

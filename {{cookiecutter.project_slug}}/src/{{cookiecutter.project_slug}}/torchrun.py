@@ -8,14 +8,9 @@ import logging
 import signal
 import sys
 
+from torch.distributed.elastic import rendezvous
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import (
-    RendezvousClosedError,
-    RendezvousConnectionError,
-    RendezvousError,
-    RendezvousTimeoutError,
-)
 from torch.distributed.run import main, parse_args
 
 TERMINATED = (128 + signal.SIGTERM, -signal.SIGTERM)  # a worker's after SIGTERM: its own 143, or the signal's
@@ -29,14 +24,14 @@ def said_by_the_line(record: logging.LogRecord) -> bool:
                                                                  "has failed to shutdown the rendezvous"))
 
 
-def rendezvous_failure(error: RendezvousError, endpoint: str, nnodes: str) -> str:
+def rendezvous_failure(error: rendezvous.RendezvousError, endpoint: str, nnodes: str) -> str:
     """What a rendezvous error means for the job, in one line."""
-    if isinstance(error, RendezvousConnectionError):
+    if isinstance(error, rendezvous.RendezvousConnectionError):
         what = f"lost the rendezvous at {endpoint}: the node that holds it stopped or cannot be reached"
-    elif isinstance(error, RendezvousTimeoutError):
+    elif isinstance(error, rendezvous.RendezvousTimeoutError):
         what = (f"waited in vain at the rendezvous at {endpoint}: fewer nodes than --nnodes {nnodes} joined "
                 "within its join_timeout")
-    elif isinstance(error, RendezvousClosedError):
+    elif isinstance(error, rendezvous.RendezvousClosedError):
         what = f"found the rendezvous at {endpoint} closed: the job's other nodes have ended it"
     else:
         what = f"failed at the rendezvous at {endpoint} ({type(error).__name__}: {error})"
@@ -56,7 +51,7 @@ if __name__ == "__main__":
         print(f"error: torchrun stopped by {signum.name} and stopped its workers; a restart resumes from the newest "
               "checkpoint", file=sys.stderr, flush=True)
         sys.exit(128 + signum)
-    except RendezvousError as error:
+    except rendezvous.RendezvousError as error:
         endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"  # the static rendezvous's
         print(rendezvous_failure(error, endpoint, args.nnodes), file=sys.stderr, flush=True)
         sys.exit(1)

@@ -22,10 +22,8 @@ from .errors import ConfigError, JobFailed, first_line
 from .output_lock import check_held
 from .windows import BatchPlan
 
-TRAIN_KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-              "grad_sync_calls": "train/grad_sync_calls", "mfu": "train/mfu",
-              "grad_noise_scale": "train/grad_noise_scale", "global_batch_size": "train/global_batch_size",
-              "micro_batch_size": "train/micro_batch_size"}
+TRAIN_KEYS = {key: f"train/{key}" for key in ("loss", "lr", "grad_norm", "grad_sync_calls", "mfu", "grad_noise_scale",
+                                               "global_batch_size", "micro_batch_size")}
 
 
 def _has_wandb_key() -> bool:
@@ -45,8 +43,7 @@ def check_wandb(cfg: TrainConfig) -> None:
 
 
 def run_name(env: DistEnv, plan: BatchPlan) -> str:
-    procs = env.world_size // env.num_nodes
-    return f"{env.num_nodes}x{procs}-acc{plan.grad_accum_steps}-mb{plan.micro_batch_size}"
+    return f"{env.num_nodes}x{env.world_size // env.num_nodes}-acc{plan.grad_accum_steps}-mb{plan.micro_batch_size}"
 
 
 def _count(value: float) -> str:
@@ -174,10 +171,8 @@ class Tracker:
 
     def __init__(self, cfg: TrainConfig, env: DistEnv, plan: BatchPlan, total_steps: int, start_step: int,
                  resumed: bool, accelerator=None):
-        self.active = env.is_main_process
-        self.path = Path(cfg.output_dir) / "metrics.jsonl"
-        self.wandb_run = None
-        self.start = time.perf_counter()
+        self.active, self.path = env.is_main_process, Path(cfg.output_dir) / "metrics.jsonl"
+        self.wandb_run, self.start = None, time.perf_counter()
         self.last_elapsed = 0.0  # elapsed_s of the previous step record, for tokens_per_s
         if not self.active:
             return
@@ -235,9 +230,8 @@ def _init_wandb(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool, 
                   "grad_accum_steps": plan.grad_accum_steps, "global_batch_size": plan.global_batch_size,
                   "slurm_job_id": slurm_job}
     init = {"entity": cfg.wandb_entity or None, "name": run_name(env, plan), "group": slurm_job, "id": run_id,
-            "resume": "allow" if run_id else None,
-            "mode": os.environ.get("WANDB_MODE") or ("online" if _has_wandb_key() else "offline"),
-            "dir": None if os.environ.get("WANDB_DIR") else cfg.output_dir}
+            "resume": "allow" if run_id else None, "dir": None if os.environ.get("WANDB_DIR") else cfg.output_dir,
+            "mode": os.environ.get("WANDB_MODE") or ("online" if _has_wandb_key() else "offline")}
 
     def start(init: dict):
         if accelerator is None:

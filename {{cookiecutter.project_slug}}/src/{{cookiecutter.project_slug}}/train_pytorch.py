@@ -39,14 +39,13 @@ load_training_state = extras.plug(
 
 def train_step(ddp_model, forward, window: Window, optimizer, lr_scheduler, scaler, session: Session,
                autocast) -> dict | None:
-    """One optimizer step over this rank's micro-batches of the window; `forward` is ddp_model, or
-    its torch.compile'd self (the same module, so no_sync() on ddp_model holds for it). A sharded
-    model (an extra's) is its own ddp_model, with a no_sync() of its own.
+    """One optimizer step over this rank's micro-batches of the window; `forward` is ddp_model, or its torch.compile'd
+    self (the same module, so no_sync() on ddp_model holds for it). A sharded model (an extra's) is its own ddp_model,
+    with a no_sync() of its own.
 
-    The textbook loop over k micro-batches (k = grad_accum_steps, fewer in an epoch's short last
-    window) whose boundary test `(index + 1) % k == 0` is `is_last` here: the only micro-step that
-    syncs, then step, schedule, zero. None: the window did not fit in memory on some rank
-    (micro_batch_size auto), and comes again."""
+    The textbook loop over k micro-batches (k = grad_accum_steps, fewer in an epoch's short last window) whose boundary
+    test `(index + 1) % k == 0` is `is_last` here: the only micro-step that syncs, then step, schedule, zero. None: the
+    window did not fit in memory on some rank (micro_batch_size auto), and comes again."""
     cfg, env = session.cfg, session.env
     model = ddp_model.module if isinstance(ddp_model, DDP) else ddp_model
     num_targets = session.targets(window)  # real targets, all ranks (counted on the host)

@@ -72,9 +72,7 @@ class WindowLoss:
     `num_items_in_batch`), not the model's per-micro-batch mean; keeps the window's sum for RunRecorder."""
 
     def __init__(self, task: str):
-        self.task = task
-        self.window_sum = torch.zeros((), dtype=torch.float64)
-        self.micro_steps = 0
+        self.task, self.window_sum, self.micro_steps = task, torch.zeros((), dtype=torch.float64), 0
 
     def __call__(self, outputs, labels, num_items_in_batch=None):
         loss = summed_loss(outputs.logits, labels, self.task)

@@ -94,8 +94,7 @@ class WindowSampler(Sampler):
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         """Choose the epoch's permutation and the optimizer step to start from (for resuming)."""
-        self.epoch = epoch
-        self.start_step = start_step
+        self.epoch, self.start_step = epoch, start_step
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The epoch's order of the training set, drawn once per epoch (a step then only slices it)."""
