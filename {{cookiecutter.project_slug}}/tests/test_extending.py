@@ -22,9 +22,9 @@ from conftest import ENTRIES, ROOT, SLUG, TOL, max_abs_diff, offline_env, one_er
 CONFIG = str(ROOT / "configs" / "train.yaml")
 PROMPT = 3  # the first tokens of each example that the prompt mask leaves out of the loss
 EDITS = {  # file of the package: (what is there, what the recipe puts in its place)
-    "data.py": ('    return torch.tensor(example["input_ids"], dtype=torch.long)\n',
+    "data.py": ('    labels = torch.tensor(example["input_ids"], dtype=torch.long)\n',
                 '    labels = torch.tensor(example["input_ids"], dtype=torch.long)\n'
-                f'    labels[:{PROMPT}] = IGNORE_INDEX\n    return labels\n'),
+                f'    labels[:{PROMPT}] = IGNORE_INDEX\n'),
     "evaluation.py": ("    return metrics\n",
                       '    metrics["eval_bits_per_target"] = loss / math.log(2)\n    return metrics\n'),
 }

@@ -319,8 +319,8 @@ def test_a_full_disk_while_a_sharded_checkpoint_is_written_is_one_line_per_proce
 
 @pytest.mark.slow
 def test_a_shard_damaged_in_place_is_one_line_naming_the_checkpoint_that_loads(runs, tmp_path):
-    """Bytes overwritten inside a shard, its size kept (so state.json's sizes still agree): the
-    resume stops with one line per process naming the checkpoint and the older one that loads."""
+    """Bytes overwritten inside a shard, its size kept: the checksums state.json records catch it,
+    and the resume stops with one line per process naming the shard and the older checkpoint that loads."""
     flags, out = {**ACCUM, "fsdp": "full_shard", "save_steps": 2}, tmp_path / "out"
     first = runs.run("pytorch", 2, out, {**flags, "stop_after_steps": 4})
     assert first.returncode == 0, first.stderr[-3000:]
@@ -332,8 +332,8 @@ def test_a_shard_damaged_in_place_is_one_line_naming_the_checkpoint_that_loads(r
     resumed = run_entry("pytorch", 2, out, runs.env, {**flags, "resume_from_checkpoint": "auto"})  # torchrun
     assert resumed.returncode == 1, resumed.stderr[-3000:]  # torchrun's code for workers that exited 2
     assert not re.search(r"\[rank\d\]: Traceback", resumed.stderr), resumed.stderr[-3000:]  # (torchrun prints its own)
-    worker_error_lines(resumed.stderr, f"error: checkpoint {newest} cannot be loaded: a shard in {newest / 'dcp'} "
-                                       "is damaged (")
+    worker_error_lines(resumed.stderr, f"error: checkpoint {newest} cannot be loaded: {shard} does not hold what "
+                                       "was written (checksum)")
     assert all(line.endswith(f"the older checkpoint {older} loads: --resume_from_checkpoint {older}")
                for line in resumed.stderr.splitlines() if line.startswith("error: "))
     shutil.rmtree(newest)

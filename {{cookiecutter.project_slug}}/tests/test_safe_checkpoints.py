@@ -40,13 +40,13 @@ def damage(folder, how: str) -> str:
                  key=lambda p: p.stat().st_size)
     if how == "garbage":  # of the same size
         target.write_bytes(os.urandom(target.stat().st_size))
-        return target.name
-    if how == "runs_code":  # a valid torch file, with a trap in it
+    elif how == "runs_code":  # a valid torch file, with a trap in it
         torch.save({"state": torch.zeros(2), "trap": RunsCode()}, target)
     else:  # os.system imported by a STACK_GLOBAL from strings a POP hides
         target.write_bytes(HIDDEN_IMPORT)
     state = json.loads((folder / "state.json").read_text())
-    state["files"][target.name] = target.stat().st_size  # the right size: only reading the pickle tells
+    # its size alone, as an older version recorded (no checksums): only reading the pickle tells
+    state["files"][target.name] = target.stat().st_size
     (folder / "state.json").write_text(json.dumps(state))
     return target.name
 
