@@ -35,6 +35,13 @@ def gru(vocab_size, num_labels, cfg):
     return TinyGRU(vocab_size, num_labels)
 
 
+def unused_pooler(vocab_size, num_labels, cfg):
+    """TinyGRU with a pooler its forward never uses, as a model built for another task keeps one."""
+    model = TinyGRU(vocab_size, num_labels)
+    model.pooler = nn.Linear(32, 32)
+    return model
+
+
 def positional(vocab_size):
     return TinyGRU(vocab_size, None)
 

@@ -16,7 +16,17 @@ from {{ cookiecutter.project_slug }}.config import TrainConfig
 from {{ cookiecutter.project_slug }}.errors import ConfigError
 from {{ cookiecutter.project_slug }}.model import FACTORY_FILE, build_model, load_tokenizer, model_config, rebuild_model
 
-from conftest import ACCUM, ENTRIES, RunCache, assert_same_training, one_error_line, run_entry, shared_folder
+from conftest import (
+    ACCUM,
+    ENTRIES,
+    RunCache,
+    assert_same_training,
+    max_loss_diff,
+    one_error_line,
+    run_entry,
+    shared_folder,
+    worker_error_lines,
+)
 
 FACTORY = "factory_models:gru"
 TESTS = str(Path(__file__).parent)
@@ -88,6 +98,37 @@ def test_a_plain_classifier_trains_and_evaluates(env, tmp_path):
     assert [r["step"] for r in run.steps] == [1, 2]
     assert "eval_accuracy" in run.evals[-1] and "eval_f1" in run.evals[-1]
     assert json.loads((out / "final_model" / FACTORY_FILE).read_text())["num_labels"] == 2
+
+
+UNUSED = {**FLAGS, "model_factory": "factory_models:unused_pooler"}
+
+
+@pytest.mark.parametrize("entry", [ENTRIES[0], *(pytest.param(e, marks=pytest.mark.slow) for e in ENTRIES[1:])])
+def test_a_parameter_without_gradient_is_refused_before_the_first_step(entry, env, tmp_path):
+    """DDP reduces no bucket that holds a parameter the forward left unused: refused at the end of the
+    first backward that synchronises, on every rank, before any optimizer step or record."""
+    out = tmp_path / "out"
+    run = run_entry(entry, 2, out, with_tests(env), {**UNUSED, "max_steps": 2})
+    assert run.returncode == 1 and "exitcode  : 2" in run.stderr, run.stderr[-3000:]  # torchrun's code, the workers'
+    worker_error_lines(run.stderr, "error: pooler.weight, pooler.bias got no gradient in a micro-step where DDP "
+                                   "synchronises, so DDP would leave it unsynchronised; set ddp_find_unused_parameters")
+    assert run.steps == []
+
+
+@pytest.mark.slow
+def test_a_parameter_without_gradient_trains_exactly_where_ddp_looks_for_it(factory_runs):
+    """With ddp_find_unused_parameters, every entry point on 2 processes with accumulation ends where one
+    process with the whole batch ends: the pooler keeps no gradient, so weight decay leaves it alone."""
+    flags = {**UNUSED, "ddp_find_unused_parameters": True}
+    whole = factory_runs(ENTRIES[0], 1, **{**flags, "micro_batch_size": FLAGS["global_batch_size"]})
+    params = whole.params()
+    for entry in ENTRIES:
+        run = factory_runs(entry, 2, **flags)
+        assert [r["step"] for r in run.steps] == list(range(1, 9)), entry
+        other = run.params()
+        assert other.keys() == params.keys(), entry
+        assert max((other[k] - params[k]).abs().max().item() for k in params) <= 1e-5, entry
+        assert max_loss_diff(run, whole) <= 1e-5, entry
 
 
 BAD_FACTORIES = [

@@ -132,6 +132,10 @@ class TrainConfig(*reversed([module.Keys for module in extras.modules()])):  # t
     ddp_no_sync: bool = key("Skip DDP's gradient all-reduce on all but the last micro-step of each optimizer step. "
                             "Turn off only to measure what it saves.", True, resume="free", data=False)
     ddp_bucket_cap_mb: float = key("DDP gradient bucket size in MiB.", 25.0, resume="free", data=False)
+    ddp_find_unused_parameters: bool = key(
+        "DDP also synchronises parameters that get no gradient in a micro-step (exact, one walk of the autograd "
+        "graph per step); off, such a parameter is refused in one line at its first step.", False, resume="free",
+        data=False)
     fsdp_grad_sync: Literal["micro_step", "window"] = key(
         "FSDP2: reduce-scatter the gradients every micro-step (sharded, least memory) or once per window "
         "(unsharded gradients held across it, fewer collectives).", "micro_step", resume="free", data=False)

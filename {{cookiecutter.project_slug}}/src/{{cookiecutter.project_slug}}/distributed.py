@@ -234,10 +234,10 @@ def print0(text: str) -> None:
         sys.stdout.flush()
 
 
-def wrap_ddp(model: torch.nn.Module, env: DistEnv, bucket_cap_mb: float) -> DDP:
+def wrap_ddp(model: torch.nn.Module, env: DistEnv, bucket_cap_mb: float, find_unused_parameters: bool = False) -> DDP:
     """`model` in DDP without a buffer broadcast in every forward (a collective per micro-step for rotary inv_freq)."""
     return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-               bucket_cap_mb=bucket_cap_mb, **NO_BUFFER_SYNC)
+               bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters, **NO_BUFFER_SYNC)
 
 
 def sync_counter_for(model) -> "GradSyncCounter | None":
@@ -250,13 +250,41 @@ def sync_counter_for(model) -> "GradSyncCounter | None":
 
 class GradSyncCounter:
     """A DDP communication hook around the default all-reduce (DDP takes one): counts the all-reduce
-    calls DDP really makes. `take()` returns and resets."""
+    calls DDP really makes. `take()` returns and resets.
+
+    Unless DDP looks for unused parameters, a backward that synchronises yet leaves a trainable parameter
+    without a gradient is refused at its end, before any optimizer step (ConfigError): DDP would never
+    reduce that parameter's bucket, and the step would apply gradients that differ between ranks."""
 
     def __init__(self, ddp_model) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         self.calls, self._allreduce = 0, default_hooks.allreduce_hook
         ddp_model.register_comm_hook(None, self.hook)
+        if not ddp_model.find_unused_parameters:
+            self._refuse_unused(ddp_model)
+
+    @staticmethod
+    def _refuse_unused(ddp_model) -> None:
+        names = {param: name for name, param in ddp_model.module.named_parameters() if param.requires_grad}
+        got: set = set()
+
+        def at_backward_end():
+            missing = [name for param, name in names.items() if param not in got]
+            got.clear()
+            if missing and ddp_model.require_backward_grad_sync:
+                raise ConfigError(
+                    f"{', '.join(missing[:3])}{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} got "
+                    "no gradient in a micro-step where DDP synchronises, so DDP would leave it unsynchronised; "
+                    "set ddp_find_unused_parameters: true, or freeze the parameters the forward does not use")
+
+        def got_grad(param):
+            if not got:  # the backward's first gradient: check once it has ended
+                torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
+            got.add(param)
+
+        for param in names:
+            param.register_post_accumulate_grad_hook(got_grad)
 
     def hook(self, state, bucket):
         self.calls += 1

@@ -98,7 +98,8 @@ def train(cfg: TrainConfig) -> None:
         step_scheduler_with_optimizer=False,
         log_with="wandb" if cfg.report_to == "wandb" else None,
         # no buffer broadcast in every forward (distributed.wrap_ddp says why)
-        kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb, broadcast_buffers=False),
+        kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb, broadcast_buffers=False,
+                                                       find_unused_parameters=cfg.ddp_find_unused_parameters),
                          GradScalerKwargs(init_scale=cfg.fp16_init_scale)],
         deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=run.deepspeed) if run.deepspeed else None,
         # FSDP (configs/accelerate/fsdp.yaml) with gradients reduced and accumulated in fp32

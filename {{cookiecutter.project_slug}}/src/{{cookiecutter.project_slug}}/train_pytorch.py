@@ -110,7 +110,7 @@ def train(cfg: TrainConfig) -> None:
     run.init_distributed()
     ddp_model, sync_counter = model, sharded.counter if sharded else None
     if env.world_size > 1 and not sharded:
-        ddp_model = wrap_ddp(model, env, cfg.ddp_bucket_cap_mb)
+        ddp_model = wrap_ddp(model, env, cfg.ddp_bucket_cap_mb, cfg.ddp_find_unused_parameters)
         sync_counter = sync_counter_for(ddp_model)
     # compiled around DDP, so that dynamo splits the graph at DDP's buckets (its DDPOptimizer);
     # a sharded model's layers are compiled on their own
