@@ -130,15 +130,16 @@ class TrainConfig(*reversed([module.Keys for module in extras.modules()])):  # t
 
     deepspeed: str = key("DeepSpeed JSON config (train_accelerate and train_trainer).", "", resume="free", data=False)
     ddp_no_sync: bool = key("Skip DDP's gradient all-reduce on all but the last micro-step of each optimizer step. "
-                            "Turn off only to measure what it saves.", True, resume="free", data=False)
+                            "Turn off only to measure what it saves. Under FSDP fsdp_grad_sync decides instead "
+                            "(Accelerate's FSDP ignores this key).", True, resume="free", data=False)
     ddp_bucket_cap_mb: float = key("DDP gradient bucket size in MiB.", 25.0, resume="free", data=False)
     ddp_find_unused_parameters: bool = key(
         "DDP also synchronises parameters that get no gradient in a micro-step (exact, one walk of the autograd "
         "graph per step); off, such a parameter is refused in one line at its first step.", False, resume="free",
         data=False)
     fsdp_grad_sync: Literal["micro_step", "window"] = key(
-        "FSDP2: reduce-scatter the gradients every micro-step (sharded, least memory) or once per window "
-        "(unsharded gradients held across it, fewer collectives).", "micro_step", resume="free", data=False)
+        "FSDP (every entry point's): reduce-scatter the gradients every micro-step (sharded, least memory) or once a "
+        "window (unsharded gradients held across it: 4 bytes a parameter).", "micro_step", resume="free", data=False)
     rendezvous_timeout_s: float = key("Seconds to wait for every process to join the process group before giving up "
                                       "with one line.", 300.0, resume="free", data=False)
     collective_timeout_s: float = key(

@@ -36,6 +36,10 @@ class Launch:
     def backend(self) -> str:
         return "deepspeed" if self.on_accelerate and self.deepspeed_path else "ddp"
 
+    def sync_each_batch(self, cfg: TrainConfig) -> bool:
+        """Accelerate's sync_each_batch: fsdp_grad_sync's under its FSDP (micro_step: sharded gradients), else DDP's."""
+        return cfg.fsdp_grad_sync == "micro_step" if self.fsdp else not cfg.ddp_no_sync
+
 
 def launch_of(cfg: TrainConfig, entry: str) -> Launch:
     """The launch; its DeepSpeed JSON is --deepspeed, or the one `accelerate launch` names."""

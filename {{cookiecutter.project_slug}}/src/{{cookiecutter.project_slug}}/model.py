@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import FullyShardedDataParallelPlugin
 from safetensors.torch import load_model, save_file, save_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.configuration_utils import PretrainedConfig
@@ -24,7 +25,7 @@ from .checkpoint import FINAL_DIR
 from .config import TrainConfig
 from .data import IGNORE_INDEX
 from .errors import ConfigError, first_line
-from .launch import launch_of
+from .launch import Launch, launch_of
 
 TINY = "tiny"
 FACTORY_FILE = "model_factory.json"  # in final_model/ beside model.safetensors: what rebuilds the model
@@ -226,6 +227,12 @@ def fsdp_mixed_precision(cfg: TrainConfig) -> dict | None:
     default, the forward's dtype, would sum them in bf16). None in fp32."""
     dtype = AMP_DTYPES.get(cfg.mixed_precision)
     return {"param_dtype": dtype, "reduce_dtype": torch.float32, "output_dtype": dtype} if dtype else None
+
+
+def accelerate_fsdp_plugin(cfg: TrainConfig, launch: Launch) -> FullyShardedDataParallelPlugin | None:
+    """Accelerate's FSDP with fsdp_mixed_precision's policy (Accelerate's own reduces in bf16/fp16), or its default."""
+    policy = fsdp_mixed_precision(cfg)
+    return FullyShardedDataParallelPlugin(mixed_precision_policy=policy) if launch.fsdp and policy else None
 
 
 def autocast_for(cfg: TrainConfig, device: torch.device):

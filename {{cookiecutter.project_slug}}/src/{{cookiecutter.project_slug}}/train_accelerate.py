@@ -17,7 +17,6 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
-    FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     TorchDynamoPlugin,
@@ -27,7 +26,7 @@ from .cli import run_cli
 from .config import TrainConfig
 from .distributed import sync_counter_for
 from .evaluation import evaluate
-from .model import build_model, fsdp_mixed_precision, save_weights, summed_loss
+from .model import accelerate_fsdp_plugin, build_model, save_weights, summed_loss
 from .optim import build_optimizer, build_scheduler
 from .session import Session
 from .speed import COMPILE
@@ -93,7 +92,7 @@ def train(cfg: TrainConfig) -> None:
         cpu=on_cpu and not run.deepspeed,  # without it Accelerate ignores torchrun's ranks on CPU
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=run.plan.grad_accum_steps, sync_with_dataloader=False,
-            sync_each_batch=not cfg.ddp_no_sync),
+            sync_each_batch=run.launch.sync_each_batch(cfg)),
         mixed_precision=cfg.mixed_precision,
         step_scheduler_with_optimizer=False,
         log_with="wandb" if cfg.report_to == "wandb" else None,
@@ -103,8 +102,7 @@ def train(cfg: TrainConfig) -> None:
                          GradScalerKwargs(init_scale=cfg.fp16_init_scale)],
         deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=run.deepspeed) if run.deepspeed else None,
         # FSDP (configs/accelerate/fsdp.yaml) with gradients reduced and accumulated in fp32
-        fsdp_plugin=FullyShardedDataParallelPlugin(mixed_precision_policy=fsdp_mixed_precision(cfg))
-        if run.launch.fsdp and cfg.mixed_precision != "no" else None,
+        fsdp_plugin=accelerate_fsdp_plugin(cfg, run.launch),
         dynamo_plugin=TorchDynamoPlugin(**COMPILE) if cfg.compile else None,  # compiled in prepare()
     )
     if accelerator.process_index != env.rank:  # DeepSpeed on CPU (see the module docstring)

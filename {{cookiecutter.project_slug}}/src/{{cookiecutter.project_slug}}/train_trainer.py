@@ -59,7 +59,7 @@ def training_arguments(cfg: TrainConfig, run: Run) -> TrainingArguments:
         ddp_bucket_cap_mb=cfg.ddp_bucket_cap_mb,  # passed on to DDP as is, fractions included
         ddp_broadcast_buffers=False,  # no buffer broadcast in every forward (distributed.wrap_ddp says why)
         ddp_find_unused_parameters=cfg.ddp_find_unused_parameters,
-        accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": not cfg.ddp_no_sync}},
+        accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": run.launch.sync_each_batch(cfg)}},
         disable_tqdm=True,
         logging_nan_inf_filter=False,  # its per-micro-step isnan() waits for the device; RunRecorder checks once
         torch_compile=cfg.compile,  # Accelerate's dynamo plugin, as train_accelerate (dynamic: train() sets it)

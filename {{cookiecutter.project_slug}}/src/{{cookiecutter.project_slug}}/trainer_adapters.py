@@ -14,15 +14,15 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .checkpoint import checkpoints_dir, publish
 from .distributed import sync_counter_for
 from .evaluation import confusion_matrix, eval_metrics
-from .model import count_targets, save_weights, summed_loss
+from .model import accelerate_fsdp_plugin, count_targets, save_weights, summed_loss
 from .optim import build_optimizer, build_scheduler
 from .windows import finite
 
 
 class WindowTrainer(Trainer):
-    """The Trainer with the project's window loader (the same micro-batches in the same windows as the
-    other loops), optimizer and scheduler (which DeepSpeed would ignore if passed in), fp16 scale
-    (fp16_init_scale) and progress line; no FLOP count (it walks the parameters every micro-step); a
+    """The Trainer with the project's window loader (the same micro-batches in the same windows as the other
+    loops), optimizer and scheduler (which DeepSpeed would ignore if passed in), fp16 scale (fp16_init_scale), FSDP
+    plugin (fp32 reduction) and progress line; no FLOP count (it walks the parameters every micro-step); a
     model_factory model saved and loaded as the other loops do (safetensors refuses tied weights' state dict)."""
 
     def __init__(self, *args, session, train_loader, **kwargs):
@@ -48,6 +48,10 @@ class WindowTrainer(Trainer):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_model(model or self.model, str(Path(resume_from_checkpoint) / "model.safetensors"))
         return None
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        kwargs["fsdp_plugin"] = accelerate_fsdp_plugin(self.session.cfg, self.session.run.launch)
+        return super()._build_accelerator_args(**kwargs)
 
     def get_train_dataloader(self):
         return self.train_loader
