@@ -195,30 +195,34 @@ def resume_point(cfg: TrainConfig) -> Path | None:
     return path
 
 
-def rng_state() -> dict:
-    """Every RNG of this process, as tensors and plain values (loadable with weights_only=True)."""
+def rng_state(device: torch.device) -> dict:
+    """Every RNG of this process, its own GPU's only (a node with fewer GPUs can restore it), as tensors and
+    plain values (loadable with weights_only=True)."""
     kind, keys, *rest = np.random.get_state()
     return {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), *rest],
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state["cuda"]  # older checkpoints: a list, every GPU the process saw, its own at its index
+    if isinstance(cuda, list):
+        cuda = cuda[device.index] if device.type == "cuda" and device.index < len(cuda) else None
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
 
 
-def save_rng(folder: Path, rank: int) -> None:
-    torch.save(rng_state(), folder / f"rng_rank{rank}.pt")
+def save_rng(folder: Path, rank: int, device: torch.device) -> None:
+    torch.save(rng_state(device), folder / f"rng_rank{rank}.pt")
 
 
-def load_rng(path: Path, rank: int) -> None:
-    """Restore this rank's RNG states (rank 0's when the checkpoint had fewer ranks)."""
+def load_rng(path: Path, rank: int, device: torch.device) -> None:
+    """Restore this rank's RNG states (rank 0's when the checkpoint had fewer ranks) on its own device."""
     own = path / f"rng_rank{rank}.pt"
-    set_rng_state(torch.load(own if own.is_file() else path / "rng_rank0.pt", weights_only=True))
+    set_rng_state(torch.load(own if own.is_file() else path / "rng_rank0.pt", weights_only=True), device)
 
 
 class WriteFailed(JobFailed):

@@ -250,8 +250,8 @@ class MicroBatchRetry:
         while done < total:
             for window in windows_from(loader, self.sampler, done, total):
                 if random_state is not None:  # a window taken again: from where the dropped attempt began
-                    set_rng_state(random_state)
-                random_state = rng_state()
+                    set_rng_state(random_state, self.env.device)
+                random_state = rng_state(self.env.device)
                 yield window
                 if self.retrying:  # the loader starts again at this window, with the smaller micro batch
                     self.retrying = False

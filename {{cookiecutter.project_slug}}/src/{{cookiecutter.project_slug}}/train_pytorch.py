@@ -105,7 +105,7 @@ def train(cfg: TrainConfig) -> None:
         load_training_state(model, optimizer, run.resume, state)
         lr_scheduler.load_state_dict(state["lr_scheduler"])
         scaler.load_state_dict(state["scaler"])
-        load_rng(run.resume, env.rank)
+        load_rng(run.resume, env.rank, env.device)
 
     run.init_distributed()
     ddp_model, sync_counter = model, sharded.counter if sharded else None
@@ -120,7 +120,7 @@ def train(cfg: TrainConfig) -> None:
     train_loader, eval_loader = session.loaders()
 
     def write_checkpoint(folder: Path):
-        save_rng(folder, env.rank)
+        save_rng(folder, env.rank, env.device)
         training = {"lr_scheduler": lr_scheduler.state_dict(), "scaler": scaler.state_dict()}
         if sharded:  # each rank its shards (maybe in the background: their Future)
             return sharded.save(optimizer, folder, training)
