@@ -5,6 +5,7 @@ what was good; a restart continues from the newest complete checkpoint."""
 
 import errno
 import json
+import mmap
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from {{ cookiecutter.project_slug }}.checkpoint import STATE_FILE
+from {{ cookiecutter.project_slug }}.distributed import DistEnv, keep_flight_recorder
 from {{ cookiecutter.project_slug }}.errors import JobFailed, disk_full
 from {{ cookiecutter.project_slug }}.tracking import append_line
 
@@ -279,6 +281,25 @@ def test_a_stopped_process_fails_the_job_within_the_collective_timeout_and_it_re
     report(f"stopped rank ({entry}): SIGSTOP after step {stopped_step}, collective timeout 5 s, torchrun "
            f"restarted the job, which resumed from step_{resumed_from}: {resumed_after:.1f} s from the stop to the "
            f"first resumed step; max |param diff| vs uninterrupted {diff:.3g}")
+
+
+def test_under_nccl_each_process_dumps_its_flight_recorder_into_output_dir(monkeypatch, tmp_path):
+    """Under nccl torch dumps each process's latest collectives to output_dir/debug/flight_recorder/rank_<r>
+    when one times out or fails (its own default is outside the run); a value already set wins; gloo, which
+    has no such dump, is left as it is. The Flight Recorder's names are the ones this torch reads."""
+    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("DIST_BACKEND", raising=False)
+    keep_flight_recorder(DistEnv(0, 0, 2, 2, torch.device("cpu")), str(tmp_path / "gloo"))
+    assert not any(name in os.environ for name in names) and not (tmp_path / "gloo").exists()
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")
+    keep_flight_recorder(DistEnv(1, 1, 2, 2, torch.device("cuda", 1)), str(tmp_path / "out"))
+    folder = tmp_path / "out" / "debug" / "flight_recorder"
+    assert folder.is_dir() and [os.environ[name] for name in names] == ["50", "1", str(folder / "rank_")]
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"  # the Flight Recorder's code
+    with library.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as code:
+        assert code.find(b"TORCH_FR_BUFFER_SIZE\0") >= 0 and code.find(b"TORCH_FR_DUMP_TEMP_FILE\0") >= 0
 
 
 def test_strict_records_refuse_nan(tmp_path):

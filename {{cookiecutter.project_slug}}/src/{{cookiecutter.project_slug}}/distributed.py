@@ -12,6 +12,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from .extras import plug
 NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
                   else {"broadcast_buffers": False})
 warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+FLIGHT_RECORDER_ENTRIES = "2000"  # torch's Flight Recorder: the latest collectives of each process
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,17 @@ def dist_env() -> DistEnv:
         raise ConfigError(f"{name}={value} names {', '.join(map(repr, lacks))}, which host {socket.gethostname()} "
                           f"lacks; it has {', '.join(have)}: name one of them, or unset {name}")
     return env
+
+
+def keep_flight_recorder(env: DistEnv, output_dir: str) -> None:
+    """Under nccl, a collective that times out or fails makes torch dump each process's Flight Recorder (its
+    latest collectives) to output_dir/debug/flight_recorder/rank_<r>, which `python -m
+    torch.distributed.flight_recorder.fr_trace <folder>` reads; variables already set win."""
+    if env.backend == "nccl":
+        (folder := Path(output_dir).resolve() / "debug" / "flight_recorder").mkdir(parents=True, exist_ok=True)
+        for name, value in (("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                            ("TORCH_FR_DUMP_TEMP_FILE", str(folder / "rank_"))):
+            os.environ.setdefault(name, value)
 
 
 def init_distributed(env: DistEnv, rendezvous_timeout_s: float, collective_timeout_s: float,

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .distributed import FLIGHT_RECORDER_ENTRIES
 from .errors import ConfigError
 from .extras import key
 
-FLIGHT_RECORDER_ENTRIES = "2000"  # torch's Flight Recorder: the latest collectives of each process
 MAX_WAIT_S = 10.0  # for the other ranks' word, after this rank's collective failed
 _step = [0]  # the optimizer step in progress on this rank (Session.windows); 0 before the first
 

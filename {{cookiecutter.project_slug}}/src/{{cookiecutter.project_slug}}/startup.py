@@ -10,7 +10,7 @@ import transformers
 
 from . import checkpoint
 from .config import TrainConfig
-from .distributed import DistEnv, PreemptionSignal, dist_env, init_distributed, print0
+from .distributed import DistEnv, PreemptionSignal, dist_env, init_distributed, keep_flight_recorder, print0
 from .errors import ConfigError, RunFinished
 from .extras import plug
 from .launch import Launch, check_back_end, check_launcher_env, deepspeed_config, launch_of
@@ -120,6 +120,7 @@ def start(cfg: TrainConfig, entry: str) -> Run:
         if not os.access(out, os.W_OK | os.X_OK):
             raise ConfigError(f"output_dir {out} is not writable; choose a folder you can write to")
         lock.take(env)
+        keep_flight_recorder(env, cfg.output_dir)  # before any process group exists
     try:
         return _start(cfg, env, launch, schedule, resume, state, finished, preemption)
     except BaseException:
