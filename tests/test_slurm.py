@@ -245,7 +245,7 @@ def test_a_sweep_trains_each_row_as_a_plain_run_and_a_preempted_row_resumes_exac
     checkpoints, is requeued and resumes. Each row's metrics.jsonl then equals that of the plain run
     (torchrun, one process, the row's flags), bitwise: the resumed row too."""
     rows = [{"learning_rate": 0.002, "max_steps": 6}, {"learning_rate": 0.004, "max_steps": 6},
-            {"learning_rate": 0.008, "max_steps": 150}]
+            {"learning_rate": 0.008, "max_steps": 100}]
     sweep = tmp_path / "lrs.yaml"
     sweep.write_text(f"output_root: {tmp_path}/sweep\nrows:\n" + "".join(
         f"  - {{learning_rate: {row['learning_rate']}, max_steps: {row['max_steps']}}}\n" for row in rows))
@@ -261,6 +261,14 @@ def test_a_sweep_trains_each_row_as_a_plain_run_and_a_preempted_row_resumes_exac
     long_task, long_out = tasks[2], outs[2]
     timeline = {"submitted": time.monotonic()}
     deadline = timeline["submitted"] + JOB_TIMEOUT_S
+    # meanwhile, each row's plain run: torchrun on one process (as each task runs), the row's flags
+    plain_env = {**env, "PYTHONPATH": "src", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}  # as each task
+    plain = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                               "--master_port", str(free_port()), "-m", f"{project.name}.train_pytorch", *TRAIN,
+                               "--learning_rate", str(row["learning_rate"]), "--max_steps", str(row["max_steps"]),
+                               "--output_dir", str(tmp_path / f"plain{index}")], cwd=project, env=plain_env,
+                              stdout=subprocess.DEVNULL, stderr=(tmp_path / f"plain{index}.err").open("w"))
+             for index, row in enumerate(rows)]
     try:
         while len(steps_of(long_out)) < 2:
             assert time.monotonic() < deadline, (tmp_path / "task-2.out").read_text()
@@ -275,6 +283,8 @@ def test_a_sweep_trains_each_row_as_a_plain_run_and_a_preempted_row_resumes_exac
         timeline["finished"] = time.monotonic()
     finally:
         run(["scancel", array], env)
+        codes = [finished(proc, deadline) for proc in plain]
+    assert codes == [0, 0, 0], [(tmp_path / f"plain{index}.err").read_text()[-2000:] for index in range(3)]
     logs = [(tmp_path / f"task-{index}.out").read_text() for index in range(3)]
     for task, log in zip(tasks, logs, strict=True):
         assert states[task]["JobState"] == "COMPLETED" and states[task]["ExitCode"] == "0:0", log[-4000:]
@@ -284,23 +294,23 @@ def test_a_sweep_trains_each_row_as_a_plain_run_and_a_preempted_row_resumes_exac
     prepared = [re.findall(r"^data: [\d,]+ training examples from (\S+)$", log, re.M) for log in logs]
     assert len({folder for folders in prepared for folder in folders}) == 1, prepared  # one for every row
 
-    env = {**env, "PYTHONPATH": "src", "MASTER_ADDR": "127.0.0.1"}
-    plain = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-                               "--master_port", str(free_port()), "-m", f"{project.name}.train_pytorch", *TRAIN,
-                               "--learning_rate", str(row["learning_rate"]), "--max_steps", str(row["max_steps"]),
-                               "--output_dir", str(tmp_path / f"plain{index}")], cwd=project, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for index, row in enumerate(rows)]
-    for proc in plain:
-        assert proc.wait(timeout=JOB_TIMEOUT_S) == 0, proc.stderr.read()[-3000:]
-    timeline["plain runs"] = time.monotonic()
     for index, out in enumerate(outs):
         swept, straight = (strip_timing(path / "metrics.jsonl") for path in (out, tmp_path / f"plain{index}"))
         assert [r["step"] for r in swept if "loss" in r] == list(range(1, rows[index]["max_steps"] + 1))
         assert swept == straight, index
     t0 = timeline["submitted"]
-    report(f"slurm sweep {array}_[0-2], row 2 preempted after step {stopped} of 150, every row equal to its plain "
+    report(f"slurm sweep {array}_[0-2], row 2 preempted after step {stopped} of 100, every row equal to its plain "
            "run: " + ", ".join(f"{k} +{v - t0:.1f} s" for k, v in timeline.items()))
+
+
+def finished(proc: subprocess.Popen, deadline: float) -> int | None:
+    """The exit code of `proc` by `deadline`; else None, and it is killed."""
+    try:
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
 
 
 def strip_timing(path: Path) -> list[dict]:
