@@ -29,7 +29,7 @@ TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".json", ".sh", ".sbatc
 
 
 LAUNCHERS = ("slurm", "kubernetes", "skypilot")
-EXTRAS = ("fsdp", "auto_batch", "batch_schedule", "doctor", "safe_checkpoints", "benchmarks")
+EXTRAS = ("fsdp", "auto_batch", "batch_schedule", "doctor", "safe_checkpoints", "benchmarks", "sweeps")
 # What each extra adds to a bake ({pkg}: src/<slug>); benchmarks brings the three extras it measures.
 EXTRA_EXPECTED = {
     "fsdp": {"{pkg}/fsdp.py", "{pkg}/sharding.py"},
@@ -43,6 +43,7 @@ EXTRA_EXPECTED = {
     "benchmarks": {"tests/test_benchmarks.py", *(f"benchmarks/{m}.py" for m in (
         "__main__", "abab", "checkpointing", "communication", "data", "harness", "library_loops", "loss_curves",
         "memory", "overhead", "startup"))},
+    "sweeps": {"{pkg}/sweep.py", "configs/sweeps/lr.yaml", "scripts/sweep_local.sh", "tests/test_sweep.py"},
 }
 CORE_MODULES = ("__init__", "checkpoint", "cli", "config", "data", "data_cache", "distributed", "errors",
                 "evaluation", "extras", "launch", "model", "optim", "output_lock", "prepare",
@@ -87,6 +88,8 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str, launchers
             files.add("configs/experiments/deepspeed.yaml")
             files |= {f"configs/accelerate/deepspeed_zero{stage}.yaml" for stage in (1, 2, 3)}
             files |= {f"configs/deepspeed/{name}.json" for name in ("zero1", "zero2", "zero3", "zero3_offload")}
+    if "sweeps" in extras:
+        sbatch.add("sweep")
     if "slurm" in launchers:
         files |= {"scripts/slurm/common.sh", *(f"scripts/slurm/{name}.sbatch" for name in sbatch)}
     if "kubernetes" in launchers:

@@ -3,13 +3,16 @@
 
 Each script trains on both nodes (1 CPU process per node: world size 2); then a job gets the
 preemption signal SLURM sends before a time limit, checkpoints, is requeued, resumes and finishes;
-and so does one task of a job array, alone.
+and so does one task of a job array, alone, and one row of a sweep (sweep.sbatch), whose rows train
+as the plain runs with their flags do.
 Needs root (daemons, apt-get, /etc/hosts); skipped, saying why, where the machine cannot run it.
 """
 
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +24,7 @@ from conftest import report
 SLURM_DIR = Path(__file__).parent / "slurm"
 # the nodes have 2 CPUs each: 1 per GPU asks for both (#SBATCH --cpus-per-task=2)
 ANSWERS = {"num_nodes": "2", "gpus_per_node": "2", "cpus_per_gpu": "1", "slurm_partition": "debug",
-           "slurm_time": "00:30:00"}
+           "slurm_time": "00:30:00", "extras": "sweeps"}  # the core's scripts, and sweep.sbatch
 TRAIN = ["--report_to", "none", "--max_seq_len", "48", "--micro_batch_size", "2", "--global_batch_size", "8",
          "--collective_timeout_s", "120"]
 JOB_TIMEOUT_S = 300
@@ -227,3 +230,89 @@ def test_preempted_array_task_alone_checkpoints_requeues_and_resumes(project, sl
     t0 = timeline["submitted"]
     report(f"slurm array {array}_[0-2], task {target} preempted: " + ", ".join(
         f"{k} +{v - t0:.1f} s" for k, v in timeline.items()) + f"; stopped after step {stopped} of {steps}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_sweep_trains_each_row_as_a_plain_run_and_a_preempted_row_resumes_exactly(project, slurm, tmp_path):
+    """`sbatch --array=0-2 scripts/slurm/sweep.sbatch FILE`: task i trains row i into the row's folder,
+    the three rows sharing one prepared dataset. The long row gets the preemption signal: it alone
+    checkpoints, is requeued and resumes. Each row's metrics.jsonl then equals that of the plain run
+    (torchrun, one process, the row's flags), bitwise: the resumed row too."""
+    rows = [{"learning_rate": 0.002, "max_steps": 6}, {"learning_rate": 0.004, "max_steps": 6},
+            {"learning_rate": 0.008, "max_steps": 100}]
+    sweep = tmp_path / "lrs.yaml"
+    sweep.write_text(f"output_root: {tmp_path}/sweep\nrows:\n" + "".join(
+        f"  - {{learning_rate: {row['learning_rate']}, max_steps: {row['max_steps']}}}\n" for row in rows))
+    outs = [tmp_path / "sweep" / f"learning_rate={row['learning_rate']},max_steps={row['max_steps']}" for row in rows]
+    env = job_env(slurm, tmp_path / "run")
+    del env["OUTPUT_DIR"]  # the row names its folder
+    submitted = run(["sbatch", "--parsable", "--array=0-2", "--nodes=1", "--cpus-per-task=1", "--gpus-per-node=1",
+                     f"--output={tmp_path}/task-%a.out", "scripts/slurm/sweep.sbatch", str(sweep), *TRAIN], env,
+                    cwd=project)
+    assert submitted.returncode == 0, submitted.stderr
+    array = submitted.stdout.strip().split(";")[0]
+    tasks = [f"{array}_{index}" for index in range(3)]
+    long_task, long_out = tasks[2], outs[2]
+    timeline = {"submitted": time.monotonic()}
+    deadline = timeline["submitted"] + JOB_TIMEOUT_S
+    # meanwhile, each row's plain run: torchrun on one process (as each task runs), the row's flags
+    plain_env = {**env, "PYTHONPATH": "src", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}  # as each task
+    plain = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                               "--master_port", str(free_port()), "-m", f"{project.name}.train_pytorch", *TRAIN,
+                               "--learning_rate", str(row["learning_rate"]), "--max_steps", str(row["max_steps"]),
+                               "--output_dir", str(tmp_path / f"plain{index}")], cwd=project, env=plain_env,
+                              stdout=subprocess.DEVNULL, stderr=(tmp_path / f"plain{index}.err").open("w"))
+             for index, row in enumerate(rows)]
+    try:
+        while len(steps_of(long_out)) < 2:
+            assert time.monotonic() < deadline, (tmp_path / "task-2.out").read_text()
+            time.sleep(0.1)
+        timeline["training"] = time.monotonic()
+        assert run(["scancel", "--signal=USR1", "--batch", long_task], env).returncode == 0
+        state = wait_for(long_task, slurm, ("PENDING", *FINAL), deadline)
+        timeline["requeued"] = time.monotonic()
+        assert state["JobState"] == "PENDING" and state["Restarts"] == "1", state
+        stopped = steps_of(long_out)[-1]["step"]
+        states = {task: wait_for(task, slurm, FINAL, deadline) for task in tasks}
+        timeline["finished"] = time.monotonic()
+    finally:
+        run(["scancel", array], env)
+        codes = [finished(proc, deadline) for proc in plain]
+    assert codes == [0, 0, 0], [(tmp_path / f"plain{index}.err").read_text()[-2000:] for index in range(3)]
+    logs = [(tmp_path / f"task-{index}.out").read_text() for index in range(3)]
+    for task, log in zip(tasks, logs, strict=True):
+        assert states[task]["JobState"] == "COMPLETED" and states[task]["ExitCode"] == "0:0", log[-4000:]
+        assert states[task]["Restarts"] == ("1" if task == long_task else "0"), (task, states[task])
+    assert f"requeueing job {long_task}: it resumes from {long_out}/checkpoints" in logs[2]
+    assert f"resuming after step {stopped}" in logs[2]
+    prepared = [re.findall(r"^data: [\d,]+ training examples from (\S+)$", log, re.M) for log in logs]
+    assert len({folder for folders in prepared for folder in folders}) == 1, prepared  # one for every row
+
+    for index, out in enumerate(outs):
+        swept, straight = (strip_timing(path / "metrics.jsonl") for path in (out, tmp_path / f"plain{index}"))
+        assert [r["step"] for r in swept if "loss" in r] == list(range(1, rows[index]["max_steps"] + 1))
+        assert swept == straight, index
+    t0 = timeline["submitted"]
+    report(f"slurm sweep {array}_[0-2], row 2 preempted after step {stopped} of 100, every row equal to its plain "
+           "run: " + ", ".join(f"{k} +{v - t0:.1f} s" for k, v in timeline.items()))
+
+
+def finished(proc: subprocess.Popen, deadline: float) -> int | None:
+    """The exit code of `proc` by `deadline`; else None, and it is killed."""
+    try:
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
+
+
+def strip_timing(path: Path) -> list[dict]:
+    """metrics.jsonl but the seconds each record took (the machine's, not the training's)."""
+    return [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"} for line in path.read_text().splitlines()]

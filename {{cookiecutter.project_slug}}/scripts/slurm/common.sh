@@ -49,7 +49,7 @@ job_setup() {
   count_of MAX_RESTARTS
   node_range NNODES
   if [[ -n "${SLURM_ARRAY_TASK_ID:-}" ]]; then
-    JOB_ID=${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID
+    JOB_ID=${SLURM_ARRAY_JOB_ID:-dry-run}_$SLURM_ARRAY_TASK_ID
   else
     JOB_ID=${SLURM_JOB_ID:-dry-run}
   fi

@@ -195,7 +195,7 @@ def keys_where(**declared) -> tuple[str, ...]:
     return tuple(name for name, f in _FIELDS.items() if all(f.metadata[k] == v for k, v in declared.items()))
 
 
-def _unknown(names: list[str], where: str, text: str = "") -> ConfigError:
+def unknown_keys(names: list[str], where: str, text: str = "") -> ConfigError:
     """One line for keys (`where` says in which file) or flags (`text`: argparse's list) this project does
     not know; a key or flag of an extra it was baked without names the extra."""
     extra = next((name for name in names if extras.owner(name)), None)
@@ -269,7 +269,7 @@ def _field_value(key: str, value) -> str:
     return str(value)
 
 
-def _as_flags(values: dict) -> list[str]:
+def as_flags(values: dict) -> list[str]:
     return [arg for key, value in values.items() for arg in (f"--{key}", _field_value(key, value))]
 
 
@@ -292,7 +292,7 @@ def _read_yaml(path: str) -> dict:
         raise ConfigError(f"config file {path} must hold a mapping of keys to values")
     unknown = sorted(set(map(str, values)) - set(_FIELDS))
     if unknown:
-        raise _unknown(unknown, f" in {path}")
+        raise unknown_keys(unknown, f" in {path}")
     empty = sorted(str(key) for key, value in values.items() if value is None)
     if empty:
         raise ConfigError(f"key(s) {', '.join(empty)} in {path} have no value (YAML null); give one, or leave the "
@@ -313,17 +313,17 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     for path in paths:
         file_values = _read_yaml(path)
         try:  # each file's values are checked as flags, so an error names its file
-            parser.parse_args_into_dataclasses(_as_flags({**values, **file_values}))
+            parser.parse_args_into_dataclasses(as_flags({**values, **file_values}))
         except ConfigError as err:
             raise ConfigError(f"{path}: {err}") from None
         values.update(file_values)
     if {"-h", "--help"} & set(argv):
         parser.set_defaults(**{key: _field_value(key, value) for key, value in values.items()})  # what the files set
     try:
-        config, _ = parser.parse_args_into_dataclasses(_as_flags(values) + argv)
+        config, _ = parser.parse_args_into_dataclasses(as_flags(values) + argv)
     except ValueError as err:
         unused = str(err).split(":", 1)[-1].strip()
-        raise _unknown(re.findall(r"--(\w+)", unused), "", unused) from None
+        raise unknown_keys(re.findall(r"--(\w+)", unused), "", unused) from None
     return config
 
 

@@ -22,6 +22,7 @@ EXTRAS = {
                "hangs", {"debug_distributed": False}),
     "safe_checkpoints": ("a resume reads checkpoint pickles and headers first: none may run code", None, {}),
     "benchmarks": ("benchmarks/ beyond gpu_check: memory, communication, overhead, start-up", None, {}),
+    "sweeps": ("sweeps: a training run per row of overrides, as a SLURM job array or one after another", None, {}),
 }
 RESUME = ("match", "free", "length")  # must a resume have the checkpoint's value? (checkpoint.check_same_training)
 

@@ -229,7 +229,8 @@ def _init_wandb(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool, 
     run_config = {**cfg.to_dict(), "world_size": env.world_size, "num_nodes": env.num_nodes,
                   "grad_accum_steps": plan.grad_accum_steps, "global_batch_size": plan.global_batch_size,
                   "slurm_job_id": slurm_job}
-    init = {"entity": cfg.wandb_entity or None, "name": run_name(env, plan), "group": slurm_job, "id": run_id,
+    init = {"entity": cfg.wandb_entity or None, "name": os.environ.get("WANDB_NAME") or run_name(env, plan),
+            "group": os.environ.get("WANDB_RUN_GROUP") or slurm_job, "id": run_id,
             "resume": "allow" if run_id else None, "dir": None if os.environ.get("WANDB_DIR") else cfg.output_dir,
             "mode": os.environ.get("WANDB_MODE") or ("online" if _has_wandb_key() else "offline")}
 
