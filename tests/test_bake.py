@@ -29,7 +29,7 @@ TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".json", ".sh", ".sbatc
 
 
 LAUNCHERS = ("slurm", "kubernetes", "skypilot")
-EXTRAS = ("fsdp", "auto_batch", "batch_schedule", "doctor", "safe_checkpoints", "benchmarks")
+EXTRAS = ("fsdp", "auto_batch", "batch_schedule", "doctor", "safe_checkpoints", "benchmarks", "peft")
 # What each extra adds to a bake ({pkg}: src/<slug>); benchmarks brings the three extras it measures.
 EXTRA_EXPECTED = {
     "fsdp": {"{pkg}/fsdp.py", "{pkg}/sharding.py"},
@@ -43,6 +43,7 @@ EXTRA_EXPECTED = {
     "benchmarks": {"tests/test_benchmarks.py", *(f"benchmarks/{m}.py" for m in (
         "__main__", "abab", "checkpointing", "communication", "data", "harness", "library_loops", "loss_curves",
         "memory", "overhead", "startup"))},
+    "peft": {"{pkg}/lora.py", "tests/test_lora.py"},
 }
 CORE_MODULES = ("__init__", "checkpoint", "cli", "config", "data", "data_cache", "distributed", "errors",
                 "evaluation", "extras", "launch", "model", "optim", "output_lock", "prepare",
