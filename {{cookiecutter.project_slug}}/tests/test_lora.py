@@ -5,6 +5,7 @@ mistakes are one line and exit code 2 at start.
 """
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from peft import AutoPeftModelForCausalLM, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from {{ cookiecutter.project_slug }} import extras
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.lora import main as lora_main
 from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
@@ -32,6 +34,7 @@ from conftest import (
 )
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
+ZERO3 = "configs/deepspeed/zero3.json"
 # 2 processes x 4 micro-steps of 2, 8 steps; the checkpoint of step 4 is where the resume tests start
 LORA = {**ACCUM, "lora_r": 4, "lora_alpha": 8, "learning_rate": 0.01, "save_steps": 4}
 LINEAR = "down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj"  # the tiny Llama's block layers
@@ -111,6 +114,7 @@ class AdapterRun:
         return adapters(self.run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_checkpoints_hold_the_adapters_and_resume_exactly(runs, entry, tmp_path):
     straight = runs(entry, 2, **LORA)
@@ -152,6 +156,52 @@ class Steps:
 
     def __init__(self, run, after: int):
         self.output_dir, self.steps = run.output_dir, [r for r in run.steps if r["step"] > after]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("fsdp" not in extras.BAKED or "pytorch" not in ENTRIES, reason="train_pytorch's FSDP2 not baked")
+def test_fsdp2_continues_a_ddp_checkpoint_and_trains_the_same_adapters(runs, tmp_path):
+    """The frozen base and its adapters sharded in the same FSDP2 units: steps 5-8 under FSDP2 from DDP's
+    checkpoint of step 4; the final adapters gathered whole; its own sharded checkpoint holds adapters only."""
+    ddp = runs("pytorch", 2, **LORA)
+    out = tmp_path / "fsdp"
+    shutil.copytree(ddp.output_dir / "checkpoints" / "step_4", out / "checkpoints" / "step_4")
+    fsdp = runs.run("pytorch", 2, out, {**LORA, "fsdp": "full_shard", "resume_from_checkpoint": "auto"})
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    diff, loss_diff = max_adapter_diff(adapters(fsdp), adapters(ddp)), max_loss_diff(fsdp, Steps(ddp, 4))
+    report(f"lora fsdp2 full_shard (steps 5-8, from DDP's step 4) vs DDP: max |adapter diff| {diff:.3g}, "
+           f"max |loss diff| {loss_diff:.3g}")
+    assert diff <= TOL.param and loss_diff <= TOL.loss
+    index = pickle.loads((out / "checkpoints" / "step_8" / "dcp" / ".metadata").read_bytes())
+    names = [name for name in index.state_dict_metadata if name.startswith("model.")]
+    assert names and all(".lora_A." in name or ".lora_B." in name for name in names)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (ROOT / ZERO3).is_file() or "accelerate" not in ENTRIES, reason="no DeepSpeed configs")
+def test_zero3_trains_the_same_adapters_saves_them_whole_and_resumes_exactly(runs, tmp_path):
+    """Each rank builds its partition of the base; the adapters come out whole (not empty), the base_model/
+    whole, its checkpoints without the frozen weights, and a resume is bitwise."""
+    ddp = runs("accelerate", 2, **LORA)
+    zero3 = runs("accelerate", 2, **LORA, deepspeed=ZERO3)
+    params = adapters(zero3)
+    assert params.keys() == adapters(ddp).keys() and all(value.numel() for value in params.values())
+    diff, loss_diff = max_adapter_diff(params, adapters(ddp)), max_loss_diff(zero3, ddp)
+    report(f"lora deepspeed zero3 vs DDP (accelerate, 2x4): max |adapter diff| {diff:.3g}, "
+           f"max |loss diff| {loss_diff:.3g}")
+    assert diff <= TOL.param and loss_diff <= TOL.loss
+    base, ddp_base = (load_file(run.output_dir / "base_model" / "model.safetensors") for run in (zero3, ddp))
+    assert base.keys() == ddp_base.keys() and all(torch.equal(base[k], ddp_base[k]) for k in base)
+    checkpoint = zero3.output_dir / "checkpoints" / "step_4"
+    states = sum(p.stat().st_size for p in checkpoint.rglob("*_model_states.pt"))
+    report(f"lora deepspeed zero3 checkpoint: model states {states:,} bytes, the frozen base "
+           f"{(zero3.output_dir / 'base_model' / 'model.safetensors').stat().st_size:,} bytes")
+    assert states < (zero3.output_dir / "base_model" / "model.safetensors").stat().st_size / 2
+    out = tmp_path / "resumed"
+    shutil.copytree(checkpoint, out / "checkpoints" / "step_4")
+    resumed = runs.run("accelerate", 2, out, {**LORA, "deepspeed": ZERO3, "resume_from_checkpoint": "auto"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_training(AdapterRun(resumed), AdapterRun(Steps(zero3, 4)))
 
 
 def test_final_model_loads_with_peft_to_the_trained_logits_and_merges(runs, tmp_path):

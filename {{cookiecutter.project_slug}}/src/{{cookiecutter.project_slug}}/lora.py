@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,12 +97,8 @@ def adapt(cfg, model):
     from .model import TINY
 
     base = Path(cfg.output_dir, BASE_DIR) if cfg.model_name_or_path == TINY else Path(cfg.model_name_or_path)
-    if cfg.model_name_or_path == TINY and dist_env().is_main_process:
-        tmp = base.with_name(f".tmp_{BASE_DIR}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        shutil.rmtree(base, ignore_errors=True)
-        os.replace(tmp, base)
+    if cfg.model_name_or_path == TINY:
+        save_base(model, base, dist_env().is_main_process)
     tiny_or_local = cfg.model_name_or_path == TINY or base.exists()
     model.name_or_path = str(base.resolve()) if tiny_or_local else cfg.model_name_or_path  # what final_model/ names
     with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
@@ -112,6 +109,24 @@ def adapt(cfg, model):
     model.register_state_dict_post_hook(_adapters_only)
     model.register_load_state_dict_post_hook(_frozen_not_missing)
     return model
+
+
+def save_base(model, folder: Path, is_main_process: bool) -> None:
+    """The base model's weights, whole (under ZeRO-3 every rank gathers its partitions), written by rank 0."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    gathered = nullcontext()
+    if is_deepspeed_zero3_enabled():
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))
+    with gathered:
+        if is_main_process:
+            tmp = folder.with_name(f".tmp_{folder.name}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(tmp, state_dict=model.state_dict())  # the gathered weights
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
 
 
 def _adapters_only(module, state_dict: dict, prefix: str, local_metadata) -> None:
