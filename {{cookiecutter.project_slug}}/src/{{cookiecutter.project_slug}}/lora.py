@@ -94,13 +94,15 @@ def adapt(cfg, model):
     from peft import LoraConfig, TaskType, get_peft_model
 
     from .distributed import dist_env
-    from .model import TINY
+    from .model import TINY, load_tokenizer
 
-    base = Path(cfg.output_dir, BASE_DIR) if cfg.model_name_or_path == TINY else Path(cfg.model_name_or_path)
+    # what final_model/'s adapter config names as its base: a hub name as it is, a folder by its absolute path
     if cfg.model_name_or_path == TINY:
-        save_base(model, base, dist_env().is_main_process)
-    tiny_or_local = cfg.model_name_or_path == TINY or base.exists()
-    model.name_or_path = str(base.resolve()) if tiny_or_local else cfg.model_name_or_path  # what final_model/ names
+        base = Path(cfg.output_dir, BASE_DIR)
+        save_base(model, load_tokenizer(cfg), base, dist_env().is_main_process)
+        model.name_or_path = str(base.resolve())
+    elif Path(cfg.model_name_or_path).is_dir():
+        model.name_or_path = str(Path(cfg.model_name_or_path).resolve())
     with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         model = get_peft_model(model, LoraConfig(
@@ -111,8 +113,9 @@ def adapt(cfg, model):
     return model
 
 
-def save_base(model, folder: Path, is_main_process: bool) -> None:
-    """The base model's weights, whole (under ZeRO-3 every rank gathers its partitions), written by rank 0."""
+def save_base(model, tokenizer, folder: Path, is_main_process: bool) -> None:
+    """The base model, whole (under ZeRO-3 every rank gathers its partitions), and its tokenizer, written by
+    rank 0: a folder that model_name_or_path may also name."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     gathered = nullcontext()
@@ -125,6 +128,7 @@ def save_base(model, folder: Path, is_main_process: bool) -> None:
             tmp = folder.with_name(f".tmp_{folder.name}")
             shutil.rmtree(tmp, ignore_errors=True)
             model.save_pretrained(tmp, state_dict=model.state_dict())  # the gathered weights
+            tokenizer.save_pretrained(tmp)
             shutil.rmtree(folder, ignore_errors=True)
             os.replace(tmp, folder)
 
