@@ -32,7 +32,7 @@ POSITIVE_INT = re.compile(r"[1-9][0-9]{0,6}")
 LOCAL_PROCESSES = 2  # `make train` and the tests on a machine without GPUs
 LAUNCHERS = ("slurm", "kubernetes", "skypilot")
 # The extras: training features beside the core, each in files of its own (docs/extending.md).
-EXTRAS = ("fsdp", "auto_batch", "batch_schedule", "doctor", "safe_checkpoints", "benchmarks", "sweeps")
+EXTRAS = ("fsdp", "auto_batch", "batch_schedule", "doctor", "safe_checkpoints", "benchmarks", "peft", "sweeps")
 # A Kubernetes object name (DNS-1123 label) short enough for the JobSet's pod names, <name>-node-0-<i>.
 K8S_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,48}[a-z0-9])?")
 # A container image reference: [registry[:port]/]path[:tag][@digest].

@@ -55,7 +55,7 @@ BAD_ANSWERS = [
     ({"launchers": "slurm;kubernetes"}, "names 'slurm;kubernetes', which is not a launcher"),
     ({"launchers": "kubernetes, sky"}, "names 'sky', which is not a launcher"),
     ({"extras": "lora"}, "extras 'lora' names 'lora', which is not an extra; use 'none', 'all' or a comma-separated "
-                         "list of fsdp, auto_batch, batch_schedule, doctor, safe_checkpoints, benchmarks"),
+                         "list of fsdp, auto_batch, batch_schedule, doctor, safe_checkpoints, benchmarks, peft"),
     ({"extras": "fsdp,,"}, "extras 'fsdp,,' names '', which is not an extra"),
     ({"extras": ""}, "extras '' names '', which is not an extra"),
     ({"extras": "none,fsdp"}, "extras 'none,fsdp' mixes none with extras"),

@@ -19,7 +19,8 @@ CONFIG = str(ROOT / "configs" / "train.yaml")
 # A value that switches each extra's key on (each extra's keys and their "off" values: extras.EXTRAS).
 ON = {"fsdp": "full_shard", "fsdp_replicas": "2", "fsdp_layer_classes": "LlamaDecoderLayer",
       "async_checkpoint": "true", "memory_budget_mb": "64",
-      "global_batch_size_schedule": "0:16,2:32", "lr_batch_scaling": "sqrt", "debug_distributed": "true"}
+      "global_batch_size_schedule": "0:16,2:32", "lr_batch_scaling": "sqrt", "debug_distributed": "true",
+      "lora_r": "8", "lora_alpha": "32", "lora_dropout": "0.1", "lora_target_modules": "q_proj"}
 NOT_BAKED = [(name, key) for name, (_, _, keys) in extras.EXTRAS.items() if name not in extras.BAKED for key in keys]
 
 

@@ -22,6 +22,8 @@ EXTRAS = {
                "hangs", {"debug_distributed": False}),
     "safe_checkpoints": ("a resume reads checkpoint pickles and headers first: none may run code", None, {}),
     "benchmarks": ("benchmarks/ beyond gpu_check: memory, communication, overhead, start-up", None, {}),
+    "peft": ("LoRA adapters (peft) on a frozen model: small checkpoints, an adapter folder as the final model", "lora",
+             {"lora_r": 0, "lora_alpha": 16, "lora_dropout": 0.0, "lora_target_modules": ""}),
     "sweeps": ("sweeps: a training run per row of overrides, as a SLURM job array or one after another", None, {}),
 }
 RESUME = ("match", "free", "length")  # must a resume have the checkpoint's value? (checkpoint.check_same_training)

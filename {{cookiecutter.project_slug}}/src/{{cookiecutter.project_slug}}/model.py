@@ -25,11 +25,13 @@ from .checkpoint import FINAL_DIR
 from .config import TrainConfig
 from .data import IGNORE_INDEX
 from .errors import ConfigError, first_line
+from .extras import plug
 from .launch import Launch, launch_of
 
 TINY = "tiny"
 FACTORY_FILE = "model_factory.json"  # in final_model/ beside model.safetensors: what rebuilds the model
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+adapt = plug("peft", "lora:adapt", default=lambda cfg, model: model)  # LoRA adapters on the frozen model (peft)
 
 
 def _hub_error(name: str, err: Exception) -> ConfigError:
@@ -188,7 +190,7 @@ def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
         # Non-reentrant checkpointing works with DDP's no_sync and with unused parameters.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    return model
+    return adapt(cfg, model)
 
 
 def save_weights(model: torch.nn.Module, folder: Path, cfg: TrainConfig, config, state_dict: dict | None = None,

@@ -22,8 +22,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ZeRO-3 a partitioned parameter's own tensor is flat and empty; DeepSpeed keeps the shape in ds_shape)."""
     params = [p for p in model.parameters() if p.requires_grad]
     matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
-    return [{"params": [p for p, m in zip(params, matrix, strict=True) if m], "weight_decay": weight_decay},
-            {"params": [p for p, m in zip(params, matrix, strict=True) if not m], "weight_decay": 0.0}]
+    groups = [{"params": [p for p, m in zip(params, matrix, strict=True) if m], "weight_decay": weight_decay},
+              {"params": [p for p, m in zip(params, matrix, strict=True) if not m], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]  # DeepSpeed drops an empty one (LoRA's: no biases)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:

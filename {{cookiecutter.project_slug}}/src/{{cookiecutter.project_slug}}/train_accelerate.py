@@ -142,8 +142,9 @@ def train(cfg: TrainConfig) -> None:
             session.log_eval(window.step, evaluate(unwrapped, eval_loader, cfg.task, accelerator.device,
                                                    accelerator.autocast))
         stop = session.should_stop(window.step)  # --stop_after_steps, or a preemption signal on any process
-        if stop or session.save_due(window.step):
-            session.save_checkpoint(window.step, lambda folder: accelerator.save_state(str(folder)))
+        if stop or session.save_due(window.step):  # DeepSpeed's files without frozen weights (a LoRA base)
+            session.save_checkpoint(window.step, lambda folder: accelerator.save_state(
+                str(folder), exclude_frozen_parameters=True))
         if stop:
             return session.stopped()
 
