@@ -27,7 +27,14 @@ from {{ cookiecutter.project_slug }} import sources as sources_module
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.data import IGNORE_INDEX, TARGETS, Collator, eval_dataloader
 from {{ cookiecutter.project_slug }}.data_cache import STALE_S, cache_folder
-from {{ cookiecutter.project_slug }}.model import build_model, count_targets, load_tokenizer, model_config, summed_loss
+from {{ cookiecutter.project_slug }}.model import (
+    SummedCrossEntropy,
+    build_model,
+    count_targets,
+    load_tokenizer,
+    model_config,
+    summed_loss,
+)
 from {{ cookiecutter.project_slug }}.prepare import pack, prepare
 from {{ cookiecutter.project_slug }}.sources import check_source, find_source, read_raw
 from {{ cookiecutter.project_slug }}.windows import WindowSampler, plan_batches
@@ -144,6 +151,39 @@ def test_a_causal_lm_without_the_mask_computes_the_same_and_its_attention_gets_n
     assert abs(with_mask - without) <= 1e-6
     assert max((grads_with[n] - grads_without[n]).abs().max().item() for n in grads_with) <= 1e-6
     assert received[-1] is None
+
+
+@pytest.mark.parametrize("task", ["causal_lm", "sequence_classification"])
+@pytest.mark.parametrize("rows_per_chunk", [1, 5, None])
+def test_the_loss_is_the_textbook_cross_entropy_without_a_copy_of_the_logits(task, rows_per_chunk, monkeypatch):
+    """summed_loss shifts the labels, not the logits, and computes the gradient in its forward a chunk of
+    rows at a time: in fp32 its value and its gradient equal the textbook cross-entropy of the shifted
+    logits (today's formula, a copy of them made fp32) to 1e-6, with or without gradients; bf16 logits
+    get a bf16 gradient."""
+    if rows_per_chunk:
+        monkeypatch.setattr(SummedCrossEntropy, "CHUNK_ELEMENTS", rows_per_chunk * 300)
+    generator = torch.Generator().manual_seed(0)
+    shape = (3, 17, 300) if task == "causal_lm" else (7, 300)
+    logits = (3 * torch.randn(shape, generator=generator)).requires_grad_()
+    labels = torch.randint(0, 300, shape[:-1], generator=generator)
+    labels[1] = IGNORE_INDEX  # a filler row
+    if task == "causal_lm":
+        labels[0, :4] = labels[-1, -2:] = IGNORE_INDEX  # a prompt, padding
+        reference = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                                      reduction="sum")
+    else:
+        reference = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+    targets = count_targets(labels, task)
+    (expected,) = torch.autograd.grad(reference / targets, logits)
+    loss = summed_loss(logits, labels, task)
+    (loss / targets).backward()
+    assert abs(loss.item() - reference.item()) <= 1e-6 * reference.item()
+    assert (logits.grad - expected).abs().max().item() <= 1e-6
+    with torch.no_grad():
+        assert abs(summed_loss(logits, labels, task).item() - reference.item()) <= 1e-6 * reference.item()
+    half = logits.detach().bfloat16().requires_grad_()
+    (summed_loss(half, labels, task) / targets).backward()
+    assert half.grad.dtype == torch.bfloat16 and (half.grad.float() - expected).abs().max().item() <= 1e-2 / targets
 
 
 @pytest.mark.parametrize("world_size,batch_size", [(3, 8), (3, 1), (8, 1), (2, 7)])

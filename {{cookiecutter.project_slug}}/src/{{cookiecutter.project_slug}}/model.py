@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_model, save_file, save_model
+from torch.autograd.function import once_differentiable
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.configuration_utils import PretrainedConfig
 from transformers.initialization import no_init_weights
@@ -242,8 +243,41 @@ def count_targets(labels: torch.Tensor, task: str) -> int:
     return int((target != IGNORE_INDEX).sum())
 
 
+class SummedCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of rows of logits summed over the targets that are not IGNORE_INDEX, in fp32. The forward
+    also computes the gradient, a chunk of rows at a time, into the one tensor of the logits' size it keeps (no
+    fp32 copy of the logits, no softmax kept); the backward scales it in place (so it runs once)."""
+
+    CHUNK_ELEMENTS = 2**26  # 256 MiB in fp32: what a chunk may hold besides the logits and their gradient
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, with_grad: bool) -> torch.Tensor:
+        ctx.grad = grad = torch.empty_like(logits) if with_grad else None
+        total = torch.zeros((), device=logits.device)
+        rows = max(1, SummedCrossEntropy.CHUNK_ELEMENTS // logits.shape[-1])
+        for start in range(0, len(logits), rows):
+            x, t = logits[start:start + rows].float(), targets[start:start + rows]  # fp32 logits: x is a view
+            g = grad[start:start + rows] if with_grad else None
+            valid = t != IGNORE_INDEX
+            t = t.where(valid, 0)[:, None]
+            # each row minus its largest logit, written where the gradient goes if that is fp32
+            z = torch.sub(x, x.amax(-1, keepdim=True), out=g if with_grad and g.dtype == x.dtype else None)
+            picked = z.gather(1, t).squeeze(1)
+            sums = z.exp_().sum(-1)
+            total += torch.where(valid, sums.log() - picked, 0).sum()  # log-sum-exp minus the target's logit
+            if with_grad:  # softmax minus the one-hot target, zero where there is no target
+                g.copy_(z.div_(sums[:, None]).scatter_add_(1, t, torch.full_like(z[:, :1], -1)).mul_(valid[:, None]))
+        return total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        return ctx.grad.mul_(grad_output), None, None
+
+
 def summed_loss(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
-    """Cross-entropy summed (not averaged) over the real targets of the batch, in fp32."""
-    if task != "sequence_classification":  # position t predicts token t+1
-        logits, labels = logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    """Cross-entropy summed (not averaged) over the real targets of the batch, in fp32 (SummedCrossEntropy)."""
+    if task != "sequence_classification":  # position t predicts token t+1: the labels move, not the logits
+        labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    with_grad = torch.is_grad_enabled() and logits.requires_grad
+    return SummedCrossEntropy.apply(logits.flatten(0, -2), labels.flatten(), with_grad)
