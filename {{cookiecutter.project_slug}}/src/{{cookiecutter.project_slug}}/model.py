@@ -17,7 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from transformers.configuration_utils import PretrainedConfig
 from transformers.initialization import no_init_weights
 from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_outputs import CausalLMOutput, SequenceClassifierOutput
+from transformers.modeling_utils import AttentionInterface
 from transformers.models.llama import LlamaConfig
 
 from . import ASSETS
@@ -30,6 +32,7 @@ from .launch import launch_of
 TINY = "tiny"
 FACTORY_FILE = "model_factory.json"  # in final_model/ beside model.safetensors: what rebuilds the model
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PLAIN_CAUSAL = "sdpa_causal"  # SDPA without a mask (plain_causal)
 
 
 def _hub_error(name: str, err: Exception) -> ConfigError:
@@ -188,6 +191,20 @@ def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
         # Non-reentrant checkpointing works with DDP's no_sync and with unused parameters.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    return plain_causal(model) if cfg.task != "sequence_classification" else model
+
+
+def plain_causal(model: torch.nn.Module) -> torch.nn.Module:
+    """A causal LM on SDPA whose attention is plain causal (no sliding window, no ALiBi) gets SDPA's causal kernel and
+    no mask: its attention under a name transformers has no mask builder for, so it neither checks the position ids
+    for packed sequences (a host sync per forward; under torch.compile a dense [B, 1, T, T] mask) nor builds a mask.
+    Right for what the loops give it: no padding mask (data.Collator) and position ids 0..T-1."""
+    config = model.config
+    layers = getattr(config, "layer_types", None) or ["sliding" if getattr(config, "sliding_window", None) else "full"]
+    if (config._attn_implementation == "sdpa" and set(layers) <= {"full", "full_attention"}
+            and getattr(config, "is_causal", True) and not getattr(config, "alibi", False)):
+        AttentionInterface.register(PLAIN_CAUSAL, sdpa_attention_forward)
+        config._attn_implementation = PLAIN_CAUSAL
     return model
 
 
