@@ -3,8 +3,9 @@ a tensor's value on the host (`item`, `tolist`, `bool`/`int`/`float` of a tensor
 CPU), indexing a device tensor with a Python list (the list goes to the device in a copy that waits:
 the site ends in LIST_INDEX), blocking copies between host and device (`.to()`, `.cuda()` or
 `.copy_()` without non_blocking: BLOCKING_COPY) and blocking collectives, each by the place in the
-code that called it. Without a GPU every tensor stands for a device tensor, as the reads count a
-CPU tensor's `item()`: a list index of any tensor and any blocking `.to(device)` are counted.
+code that called it. Without a GPU the tensors a DataLoader yields stand for host tensors and every
+other tensor for a device tensor, as the reads count a CPU tensor's `item()`: a list index of a
+non-host tensor and a blocking `.to(device)` of a host tensor are counted.
 
     python sync_counting.py OUT <module> [flags...]
 
@@ -25,6 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.utils._pytree import tree_leaves
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.utils.weak import WeakIdKeyDictionary
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
 LIST_INDEX, BLOCKING_COPY = " [list index]", " [blocking copy]"
@@ -41,9 +45,11 @@ def site(depth: int = 2) -> str:
     return f"{path}:{code.co_name}"
 
 
-def on_device(tensor: torch.Tensor) -> bool:
-    """A device tensor, or without a GPU any tensor (a CPU run stands for a GPU run)."""
-    return tensor.device.type != "cpu" or not torch.cuda.is_available()
+HOST = WeakIdKeyDictionary()  # without a GPU: the tensors DataLoaders yielded (on a GPU run, in host memory)
+
+
+def on_host(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and (torch.cuda.is_available() or tensor in HOST)
 
 
 def has_list(index) -> bool:
@@ -52,6 +58,14 @@ def has_list(index) -> bool:
 
 def count(reads: Counter, collectives: Counter, patch=setattr) -> None:
     """Count into `reads` and `collectives` from now on (`patch`: how each torch function is replaced)."""
+    next_batch = _BaseDataLoaderIter.__next__
+
+    def yielded(self):
+        batch = next_batch(self)
+        HOST.update((t, True) for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
+        return batch
+
+    patch(_BaseDataLoaderIter, "__next__", yielded)
     for name in READS:
         method = getattr(torch.Tensor, name)
 
@@ -64,7 +78,7 @@ def count(reads: Counter, collectives: Counter, patch=setattr) -> None:
         method = getattr(torch.Tensor, name)
 
         def indexed(self, index, *args, _method=method):
-            if has_list(index) and on_device(self):
+            if has_list(index) and not on_host(self):
                 reads[site() + LIST_INDEX] += 1
             return _method(self, index, *args)
 
@@ -73,8 +87,8 @@ def count(reads: Counter, collectives: Counter, patch=setattr) -> None:
 
     def counted_to(self, *args, **kwargs):
         device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
-        crosses = device is not None and (self.device.type == "cpu") != (device.type == "cpu")
-        if not non_blocking and (crosses or device is not None and not torch.cuda.is_available()):
+        to_host = device is not None and device.type == "cpu" and torch.cuda.is_available()
+        if not non_blocking and device is not None and on_host(self) != to_host:
             reads[site() + BLOCKING_COPY] += 1
         return to(self, *args, **kwargs)
 

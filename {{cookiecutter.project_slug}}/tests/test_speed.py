@@ -196,17 +196,20 @@ def counted_steps(entry: str, out, env: dict, flags: dict) -> list[dict]:
 
 
 def test_the_counter_sees_a_planted_list_index_and_a_blocking_copy(monkeypatch):
-    """The negative control of sync_counting: a list index of a (device) tensor and a blocking copy
-    are each counted once, at their line's function; slices, tensor indices, dtype casts and
-    non-blocking copies are not."""
+    """The negative control of sync_counting: a list index of a device tensor and a blocking copy of a
+    host tensor to the device are each counted once, at their line's function; slices, tensor indices,
+    dtype casts, a device tensor's move to its own device, a host tensor's list index and a non-blocking
+    copy are not."""
     reads, collectives = Counter(), Counter()
+    loader = iter(torch.utils.data.DataLoader([torch.ones(2)]))  # (its start reads its seed)
     sync_counting.count(reads, collectives, monkeypatch.setattr)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch = next(loader)  # a host tensor, as a loader yields it
     x = torch.arange(6.0, device=device)
-    x[1:3], x[torch.tensor([0, 1], device=device)], x.to(torch.float64)
-    torch.ones(2).to(device, non_blocking=True)
+    x[1:3], x[torch.tensor([0, 1], device=device)], x.to(torch.float64), x.to(device), batch[[0]]
+    batch.to(device, non_blocking=True)
     x[[0, 2]]  # planted: a list index
-    torch.ones(2).to(device)  # planted: a blocking copy
+    batch.to(device)  # planted: a blocking copy
     here = "test_speed.py:test_the_counter_sees_a_planted_list_index_and_a_blocking_copy"
     assert {site.rpartition("/")[2]: n for site, n in reads.items()} == {here + sync_counting.LIST_INDEX: 1,
                                                                           here + sync_counting.BLOCKING_COPY: 1}

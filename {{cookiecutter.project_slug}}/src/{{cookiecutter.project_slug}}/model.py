@@ -277,8 +277,9 @@ class SummedCrossEntropy(torch.autograd.Function):
             g = grad[start:start + rows] if with_grad else None
             valid = t != IGNORE_INDEX
             t = t.where(valid, 0)[:, None]
-            # each row minus its largest logit, written where the gradient goes if that is fp32
-            z = torch.sub(x, x.amax(-1, keepdim=True), out=g if with_grad and g.dtype == x.dtype else None)
+            # each row minus its largest logit: into the gradient if that is fp32, else into x if x is a copy
+            out = g if with_grad and g.dtype == x.dtype else x if x.dtype != logits.dtype else None
+            z = torch.sub(x, x.amax(-1, keepdim=True), out=out)
             picked = z.gather(1, t).squeeze(1)
             sums = z.exp_().sum(-1)
             total += torch.where(valid, sums.log() - picked, 0).sum()  # log-sum-exp minus the target's logit
