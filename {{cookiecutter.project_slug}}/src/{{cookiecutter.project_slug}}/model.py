@@ -195,10 +195,9 @@ def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
 
 
 def plain_causal(model: torch.nn.Module) -> torch.nn.Module:
-    """A causal LM on SDPA whose attention is plain causal (no sliding window, no ALiBi) gets SDPA's causal kernel and
-    no mask: its attention under a name transformers has no mask builder for, so it neither checks the position ids
-    for packed sequences (a host sync per forward; under torch.compile a dense [B, 1, T, T] mask) nor builds a mask.
-    Right for what the loops give it: no padding mask (data.Collator) and position ids 0..T-1."""
+    """A causal LM on SDPA of plain causal attention (no sliding window, no ALiBi) under a name transformers builds
+    no mask for: no packed-sequence check of the position ids (a host sync per forward; compiled, a dense [B,1,T,T]
+    mask), SDPA's causal kernel. The loops give no padding mask (data.Collator) and position ids 0..T-1."""
     config = model.config
     layers = getattr(config, "layer_types", None) or ["sliding" if getattr(config, "sliding_window", None) else "full"]
     if (config._attn_implementation == "sdpa" and set(layers) <= {"full", "full_attention"}
@@ -297,5 +296,5 @@ def summed_loss(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.
     """Cross-entropy summed (not averaged) over the real targets of the batch, in fp32 (SummedCrossEntropy)."""
     if task != "sequence_classification":  # position t predicts token t+1: the labels move, not the logits
         labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    with_grad = torch.is_grad_enabled() and logits.requires_grad
-    return SummedCrossEntropy.apply(logits.flatten(0, -2), labels.flatten(), with_grad)
+    return SummedCrossEntropy.apply(logits.flatten(0, -2), labels.flatten(),
+                                    torch.is_grad_enabled() and logits.requires_grad)
