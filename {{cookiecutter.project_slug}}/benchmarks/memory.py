@@ -14,7 +14,7 @@ replicas x 2 shards, all at accumulation 4 (SHARDED_ACCUM).
 
 The loss: one training step (SGD, fp32 or the precision given) of a one-layer model with a vocabulary of
 65,536 at micro batch 8 x 512 packed tokens (2 x 512 with --quick), against the same model with the
-tokenizer's own small vocabulary, each in a fresh process: the whole process's peak (ru_maxrss on CPU) of
+tokenizer's own small vocabulary, each in a fresh process: the whole process's peak (VmHWM on CPU) of
 the first over the second, in bytes of the logits. Goal: at most 2.5 (the logits and one gradient of their
 size, nothing else of their size).
 
@@ -23,7 +23,7 @@ size, nothing else of their size).
 """
 
 import json
-import resource
+import re
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -90,8 +90,9 @@ def measure_all(cfg, device, divisors: tuple[int, ...]) -> tuple[list[dict], int
 
 def loss_step_peak(args, vocab_size: int, micro_batch_size: int) -> int:
     """In a process of its own: the whole process's peak bytes over two training steps (SGD) of a one-layer
-    model of `vocab_size` (0: the tokenizer's) at `micro_batch_size` x 512 packed tokens. CPU: ru_maxrss
-    (the resident set); GPU: torch.cuda.max_memory_allocated."""
+    model of `vocab_size` (0: the tokenizer's) at `micro_batch_size` x 512 packed tokens. CPU: the resident
+    set's high-water mark (VmHWM), reset before the steps (else it holds the import's, or the parent's
+    from before the process started); GPU: torch.cuda.max_memory_allocated."""
     cfg = train_config(args, model_name_or_path="tiny", optimizer="sgd", max_seq_len=512)
     device = dist_env().device
     config = model_config(cfg, load_tokenizer(cfg))
@@ -99,11 +100,13 @@ def loss_step_peak(args, vocab_size: int, micro_batch_size: int) -> int:
     model = build_model(cfg, config).to(device)
     optimizer = build_optimizer(model, cfg, device)
     window = [worst_case_batch(cfg, config, micro_batch_size, device)]
+    if device.type == "cpu":
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM starts again from the resident set now
     for _ in range(2):  # the second step as every later one
         optimizer_step(model, window, optimizer, cfg, device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
+    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
 def loss_row(args) -> dict:
@@ -205,7 +208,7 @@ def report(args, rows: list[dict], settings: dict) -> None:
 
 
 def report_loss(args, row: dict, settings: dict) -> None:
-    method = "torch.cuda.max_memory_allocated" if settings["device"].startswith("cuda") else "ru_maxrss"
+    method = "torch.cuda.max_memory_allocated" if settings["device"].startswith("cuda") else "VmHWM"
     print_table(f"memory: the loss, one-layer model, micro batch {row['micro_batch_size']} x 512, SGD ({method} of a "
                 f"fresh process, {settings['device']})",
                 {"vocabulary": "{vocab_size}", "logits MiB": "{logits:.1f}", "peak MiB": "{peak:.1f}",

@@ -59,8 +59,8 @@ def test_peak_memory_follows_the_micro_batch(tmp_path):
            f"({half['ratio']:.3f} x a plain step at {half['micro_batch_size']})")
     (loss,) = json.loads((tmp_path / "results.json").read_text())["memory_loss"]
     assert loss["logits_bytes"] == loss["micro_batch_size"] * 512 * memory.LOSS_VOCAB * 4  # fp32
-    # the logits and their gradient: 2 x (measured 2.3 at micro batch 2, 2.1 at 8; 4.0 when the loss
-    # copied the logits); the rest is the larger vocabulary's weights and their gradient
+    # the logits and their gradient: 2 x (measured 2.32 at micro batch 2, 2.08 at 8; 4.25 and 4.0 when
+    # the loss copied the logits); the rest is the larger vocabulary's weights and their gradient
     assert 2 <= (loss["peak_bytes"] - loss["twin_peak_bytes"]) / loss["logits_bytes"] <= memory.LOSS_GOAL
     report(f"memory: the loss at a vocabulary of {memory.LOSS_VOCAB:,}, micro batch {loss['micro_batch_size']} x "
            f"512: {loss['ratio']:.2f} x the logits' bytes above a small-vocabulary twin")
