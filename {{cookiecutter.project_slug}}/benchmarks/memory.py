@@ -12,12 +12,20 @@ Sharded, the same window on 4 processes (each rank's peak, and the bytes of para
 and optimizer state it holds): DDP, FSDP2 full_shard with each gradient-sync mode, and HSDP as 2
 replicas x 2 shards, all at accumulation 4 (SHARDED_ACCUM).
 
+The loss: one training step (SGD, fp32 or the precision given) of a one-layer model with a vocabulary of
+65,536 at micro batch 8 x 512 packed tokens (2 x 512 with --quick), against the same model with the
+tokenizer's own small vocabulary, each in a fresh process: the whole process's peak (VmHWM on CPU) of
+the first over the second, in bytes of the logits. Goal: at most 2.5 (the logits and one gradient of their
+size, nothing else of their size).
+
     python -m benchmarks.memory                                            # CPU: the tiny model
     python -m benchmarks.memory --model gpt2-small --mixed_precision bf16  # a GPU (4 for the sharded rows)
 """
 
 import json
+import re
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -30,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.distributed import cleanup, dist_env, init_distributed, wrap_ddp
 from {{ cookiecutter.project_slug }}.memory import MIB, peak_bytes, worst_case_batch
-from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
+from {{ cookiecutter.project_slug }}.model import AMP_DTYPES, build_model, load_tokenizer, model_config
 from {{ cookiecutter.project_slug }}.optim import build_optimizer
 from {{ cookiecutter.project_slug }}.sharding import shard
 
@@ -54,6 +62,7 @@ SHARDED_MODES = (("DDP", {"fsdp": "none"}),
                  ("full_shard window", {"fsdp": "full_shard", "fsdp_grad_sync": "window"}),
                  ("hybrid_shard 2x2 micro_step", {"fsdp": "hybrid_shard", "fsdp_replicas": 2,
                                                   "fsdp_grad_sync": "micro_step"}))
+LOSS_VOCAB, LOSS_GOAL = 65_536, 2.5  # the loss row: its vocabulary, and the goal in bytes of the logits
 
 
 def measure(model, optimizer, cfg, config, device, micro_batch_size: int, grad_accum_steps: int) -> int:
@@ -77,6 +86,40 @@ def measure_all(cfg, device, divisors: tuple[int, ...]) -> tuple[list[dict], int
         rows.append({"micro_batch_size": b, "grad_accum_steps": k, "peak_bytes": peak,
                      "baseline_peak_bytes": baseline, "ratio": round(peak / baseline, 4)})
     return rows, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def loss_step_peak(args, vocab_size: int, micro_batch_size: int) -> int:
+    """In a process of its own: the whole process's peak bytes over two training steps (SGD) of a one-layer
+    model of `vocab_size` (0: the tokenizer's) at `micro_batch_size` x 512 packed tokens. CPU: the resident
+    set's high-water mark (VmHWM), reset before the steps (else it holds the import's, or the parent's
+    from before the process started); GPU: torch.cuda.max_memory_allocated."""
+    cfg = train_config(args, model_name_or_path="tiny", optimizer="sgd", max_seq_len=512)
+    device = dist_env().device
+    config = model_config(cfg, load_tokenizer(cfg))
+    config.num_hidden_layers, config.vocab_size = 1, vocab_size or config.vocab_size
+    model = build_model(cfg, config).to(device)
+    optimizer = build_optimizer(model, cfg, device)
+    window = [worst_case_batch(cfg, config, micro_batch_size, device)]
+    if device.type == "cpu":
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM starts again from the resident set now
+    for _ in range(2):  # the second step as every later one
+        optimizer_step(model, window, optimizer, cfg, device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def loss_row(args) -> dict:
+    """The loss's peak: a vocabulary of LOSS_VOCAB over the tokenizer's, each in a fresh process."""
+    micro_batch_size = 2 if args.quick else 8
+    peaks = []
+    for vocab_size in (LOSS_VOCAB, 0):
+        with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as process:
+            peaks.append(process.submit(loss_step_peak, args, vocab_size, micro_batch_size).result())
+    logits_bytes = micro_batch_size * 512 * LOSS_VOCAB * AMP_DTYPES.get(args.mixed_precision, torch.float32).itemsize
+    return {"vocab_size": LOSS_VOCAB, "micro_batch_size": micro_batch_size, "max_seq_len": 512,
+            "logits_bytes": logits_bytes, "peak_bytes": peaks[0], "twin_peak_bytes": peaks[1],
+            "ratio": round((peaks[0] - peaks[1]) / logits_bytes, 3), "goal_ratio": LOSS_GOAL}
 
 
 def local_bytes(tensors) -> int:
@@ -142,6 +185,7 @@ def run(args) -> list[dict]:
                 "max_seq_len": cfg.max_seq_len, "optimizer": cfg.optimizer, "goal_ratio": GOAL,
                 "parameter_bytes": parameter_bytes}
     report(args, rows, settings)
+    report_loss(args, loss_row(args), settings)
     if not lacks_gpus("memory, sharded", SHARDED_WORLD_SIZE):
         report_sharded(args, sharded_rows(args), settings)
     return rows
@@ -161,6 +205,18 @@ def report(args, rows: list[dict], settings: dict) -> None:
     ax.plot(sizes, [GOAL * row["baseline"] for row in table], ":", color="gray", label=f"goal: {GOAL} x plain step")
     save_powers_of_two_plot(fig, ax, sizes, args.results.parent / "memory.png")
     save_results(args, "memory", rows, settings)
+
+
+def report_loss(args, row: dict, settings: dict) -> None:
+    method = "torch.cuda.max_memory_allocated" if settings["device"].startswith("cuda") else "VmHWM"
+    print_table(f"memory: the loss, one-layer model, micro batch {row['micro_batch_size']} x 512, SGD ({method} of a "
+                f"fresh process, {settings['device']})",
+                {"vocabulary": "{vocab_size}", "logits MiB": "{logits:.1f}", "peak MiB": "{peak:.1f}",
+                 "small-vocabulary twin MiB": "{twin:.1f}", f"above the twin, x logits (goal <= {LOSS_GOAL})":
+                 "{ratio:.2f}"},
+                [{**row, "logits": row["logits_bytes"] / MIB, "peak": row["peak_bytes"] / MIB,
+                  "twin": row["twin_peak_bytes"] / MIB}])
+    save_results(args, "memory_loss", [row], {**settings, "method": method})
 
 
 def report_sharded(args, rows: list[dict], settings: dict) -> None:

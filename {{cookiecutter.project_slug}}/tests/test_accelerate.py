@@ -52,7 +52,7 @@ def test_accelerate_config_loads(path):
 @pytest.mark.parametrize("path", DEEPSPEED, ids=lambda p: p.stem)
 def test_deepspeed_accumulates_gradients_in_fp32(path, monkeypatch):
     """bf16 would otherwise be the gradient accumulation's dtype: DeepSpeed's own parser reads
-    fp32 from every shipped file, filled as a bf16 run fills it."""
+    fp32 from every shipped file, filled as a bf16 run fills it, and buckets sized for big models."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -63,6 +63,10 @@ def test_deepspeed_accumulates_gradients_in_fp32(path, monkeypatch):
     filled = deepspeed_config(cfg, plan_batches(16, 2, 1), str(path))
     parsed = DeepSpeedConfig(filled)
     assert (parsed.grad_accum_dtype, filled["bf16"]["enabled"]) == ("fp32", True)
+    # buckets of 5e7 elements, not DeepSpeed's 5e8 (docs/memory.md: at 8B, 0.2 GB each in fp32, not 2 GB)
+    zero = parsed.zero_config
+    buckets = (zero.reduce_bucket_size, zero.allgather_bucket_size if zero.stage < 3 else zero.prefetch_bucket_size)
+    assert buckets == (50_000_000, 50_000_000)
 {%- endif %}
 
 

@@ -17,8 +17,10 @@ import torch.distributed as dist
 from test_levers import DEVICE, config_for
 from test_speed import counted_steps, ours
 
-from {{ cookiecutter.project_slug }}.distributed import DistEnv, init_distributed
-from {{ cookiecutter.project_slug }}.memory import MIB, training_step_peak
+from {{ cookiecutter.project_slug }}.distributed import DistEnv, dist_env, init_distributed
+from {{ cookiecutter.project_slug }}.errors import ConfigError
+from {{ cookiecutter.project_slug }}.launch import Launch
+from {{ cookiecutter.project_slug }}.memory import MIB, check_auto_micro_batch, training_step_peak
 
 from conftest import (
     ACCUM,
@@ -120,6 +122,25 @@ def test_gradient_checkpointing_lowers_the_peak():
     report(f"peak of one training step, micro batch 8 x 48 tokens on {DEVICE.type}: {peaks['false'] / MIB:.2f} MiB, "
            f"with gradient checkpointing {peaks['true'] / MIB:.2f} MiB")
     assert peaks["true"] < peaks["false"]
+
+
+@pytest.mark.parametrize("launch,named", [(Launch("accelerate", "configs/deepspeed/zero3.json", False), "DeepSpeed"),
+                                         (Launch("trainer", "", True), "FSDP")])
+def test_auto_is_refused_in_one_line_where_the_model_is_sharded(launch, named):
+    cfg, _ = config_for("--micro_batch_size", "auto", "--memory_budget_mb", "64")
+    with pytest.raises(ConfigError, match=f"^micro_batch_size auto measures a whole model per process, not the "
+                                          f"shards of {named}; give micro_batch_size$"):
+        check_auto_micro_batch(cfg, dist_env(), launch)
+
+
+def test_the_probe_counts_the_logits_in_the_dtype_the_loss_gets_them():
+    """Under bf16 Accelerate's model hands the loss fp32 logits: the probe counts that copy (at least its
+    extra 2 bytes per logit over the bf16 logits) for the entry points on Accelerate. A vocabulary of
+    8,192, where the logits make the peak."""
+    cfg, config = config_for("--mixed_precision", "bf16")
+    config.vocab_size = 8192
+    bf16, fp32 = (training_step_peak(cfg, config, 8, DEVICE, fp32_logits=on) for on in (False, True))
+    assert fp32 - bf16 >= 8 * 48 * config.vocab_size * 2, (fp32, bf16)
 
 
 @pytest.mark.slow

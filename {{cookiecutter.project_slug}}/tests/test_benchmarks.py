@@ -1,8 +1,8 @@
 """The benchmarks measure what they claim (README, "Performance"), in their quick mode: DDP sends one
 gradient's worth of bytes per optimizer step with no_sync() and k times that without; the peak
-memory of an optimizer step follows the micro batch, not the global batch, and sharding divides
-what each process holds; a sharded save blocks or writes in the background; loss_curves draws the
-runs it is given."""
+memory of an optimizer step follows the micro batch, not the global batch, the loss holds one
+gradient of the logits' size beside them, and sharding divides what each process holds; a sharded
+save blocks or writes in the background; loss_curves draws the runs it is given."""
 
 import json
 import math
@@ -57,6 +57,13 @@ def test_peak_memory_follows_the_micro_batch(tmp_path):
     report(f"memory: peak of one optimizer step {full['peak_bytes'] / 2**20:.1f} MiB at micro batch "
            f"{full['micro_batch_size']}, {half['peak_bytes'] / 2**20:.1f} MiB as {half['micro_batch_size']} x 2 "
            f"({half['ratio']:.3f} x a plain step at {half['micro_batch_size']})")
+    (loss,) = json.loads((tmp_path / "results.json").read_text())["memory_loss"]
+    assert loss["logits_bytes"] == loss["micro_batch_size"] * 512 * memory.LOSS_VOCAB * 4  # fp32
+    # the logits and their gradient: 2 x (measured 2.32 at micro batch 2, 2.08 at 8; 4.25 and 4.0 when
+    # the loss copied the logits); the rest is the larger vocabulary's weights and their gradient
+    assert 2 <= (loss["peak_bytes"] - loss["twin_peak_bytes"]) / loss["logits_bytes"] <= memory.LOSS_GOAL
+    report(f"memory: the loss at a vocabulary of {memory.LOSS_VOCAB:,}, micro batch {loss['micro_batch_size']} x "
+           f"512: {loss['ratio']:.2f} x the logits' bytes above a small-vocabulary twin")
     if 0 < torch.cuda.device_count() < memory.SHARDED_WORLD_SIZE:
         return
     rows = {row["mode"]: row for row in json.loads((tmp_path / "results.json").read_text())["memory_sharded"]}

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset, concatenate_datasets
+from transformers import AutoModelForCausalLM, MistralConfig, masking_utils
 
 from {{ cookiecutter.project_slug }} import data as data_module
 from {{ cookiecutter.project_slug }} import data_cache as data_cache_module
@@ -27,7 +28,16 @@ from {{ cookiecutter.project_slug }} import sources as sources_module
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.data import IGNORE_INDEX, TARGETS, Collator, eval_dataloader
 from {{ cookiecutter.project_slug }}.data_cache import STALE_S, cache_folder
-from {{ cookiecutter.project_slug }}.model import build_model, count_targets, load_tokenizer, model_config, summed_loss
+from {{ cookiecutter.project_slug }}.model import (
+    PLAIN_CAUSAL,
+    SummedCrossEntropy,
+    build_model,
+    count_targets,
+    load_tokenizer,
+    model_config,
+    plain_causal,
+    summed_loss,
+)
 from {{ cookiecutter.project_slug }}.prepare import pack, prepare
 from {{ cookiecutter.project_slug }}.sources import check_source, find_source, read_raw
 from {{ cookiecutter.project_slug }}.windows import WindowSampler, plan_batches
@@ -135,6 +145,8 @@ def test_a_causal_lm_without_the_mask_computes_the_same_and_its_attention_gets_n
     results = []
     for attention_mask in (mask, None):
         model.zero_grad()
+        # with a padding mask, transformers' own SDPA, which applies it; without, the model as built (plain_causal)
+        model.config._attn_implementation = "sdpa" if attention_mask is not None else PLAIN_CAUSAL
         extra = {} if attention_mask is None else {"attention_mask": attention_mask}
         logits = model(input_ids=batch["input_ids"], **extra).logits
         loss = summed_loss(logits, batch["labels"], "causal_lm") / count_targets(batch["labels"], "causal_lm")
@@ -144,6 +156,78 @@ def test_a_causal_lm_without_the_mask_computes_the_same_and_its_attention_gets_n
     assert abs(with_mask - without) <= 1e-6
     assert max((grads_with[n] - grads_without[n]).abs().max().item() for n in grads_with) <= 1e-6
     assert received[-1] is None
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_plain_causal_attention_gets_no_mask_and_no_packed_sequence_check(compiled, monkeypatch):
+    """The causal LM as built: every attention call gets no mask and is_causal, eagerly and under torch.compile,
+    and its position ids are never checked for packed sequences (eagerly a host sync per forward). The same
+    model under transformers' own "sdpa" is checked, and compiled gets a dense mask; a sliding-window model keeps
+    its mask (eagerly)."""
+    calls, checks = [], []
+    sdpa, find = torch.nn.functional.scaled_dot_product_attention, masking_utils.find_packed_sequence_indices
+
+    def spy(*args, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal))
+        return sdpa(*args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda ids: checks.append(ids) or find(ids))
+    cfg = load_config(["--config", CONFIG, "--task", "causal_lm", "--max_seq_len", "32"])
+    tokenizer = load_tokenizer(cfg)
+    input_ids = torch.randint(0, len(tokenizer), (2, 32))
+
+    def attention_of(model) -> tuple[set, int]:
+        calls.clear()
+        checks.clear()
+        run = torch.compile(model, backend="eager") if compiled else model  # dynamo's tracing, no code generated
+        run(input_ids=input_ids).logits.sum().backward()
+        return set(calls), len(checks)
+
+    model = build_model(cfg, model_config(cfg, tokenizer))
+    assert attention_of(model) == ({(True, True)}, 0)
+    model.config._attn_implementation = "sdpa"
+    own, checked = attention_of(model)
+    assert own == ({(False, False)} if compiled else {(True, True)}) and checked > 0
+    if compiled:
+        return
+    sliding = MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, sliding_window=8, attn_implementation="sdpa")
+    mistral = plain_causal(AutoModelForCausalLM.from_config(sliding))
+    assert mistral.config._attn_implementation == "sdpa" and attention_of(mistral)[0] == {(False, False)}
+
+
+@pytest.mark.parametrize("task", ["causal_lm", "sequence_classification"])
+@pytest.mark.parametrize("rows_per_chunk", [1, 5, None])
+def test_the_loss_is_the_textbook_cross_entropy_without_a_copy_of_the_logits(task, rows_per_chunk, monkeypatch):
+    """summed_loss shifts the labels, not the logits, and computes the gradient in its forward a chunk of
+    rows at a time: in fp32 its value and its gradient equal the textbook cross-entropy of the shifted
+    logits (today's formula, a copy of them made fp32) to 1e-6, with or without gradients; bf16 logits
+    get a bf16 gradient."""
+    if rows_per_chunk:
+        monkeypatch.setattr(SummedCrossEntropy, "CHUNK_ELEMENTS", rows_per_chunk * 300)
+    generator = torch.Generator().manual_seed(0)
+    shape = (3, 17, 300) if task == "causal_lm" else (7, 300)
+    logits = (3 * torch.randn(shape, generator=generator)).requires_grad_()
+    labels = torch.randint(0, 300, shape[:-1], generator=generator)
+    labels[1] = IGNORE_INDEX  # a filler row
+    if task == "causal_lm":
+        labels[0, :4] = labels[-1, -2:] = IGNORE_INDEX  # a prompt, padding
+        reference = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                                      reduction="sum")
+    else:
+        reference = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+    targets = count_targets(labels, task)
+    (expected,) = torch.autograd.grad(reference / targets, logits)
+    loss = summed_loss(logits, labels, task)
+    (loss / targets).backward()
+    assert abs(loss.item() - reference.item()) <= 1e-6 * reference.item()
+    assert (logits.grad - expected).abs().max().item() <= 1e-6
+    with torch.no_grad():
+        assert abs(summed_loss(logits, labels, task).item() - reference.item()) <= 1e-6 * reference.item()
+    half = logits.detach().bfloat16().requires_grad_()
+    (summed_loss(half, labels, task) / targets).backward()
+    assert half.grad.dtype == torch.bfloat16 and (half.grad.float() - expected).abs().max().item() <= 1e-2 / targets
 
 
 @pytest.mark.parametrize("world_size,batch_size", [(3, 8), (3, 1), (8, 1), (2, 7)])

@@ -6,6 +6,7 @@ optimizer step waits on the device once (sync_counting.py counts)."""
 import json
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from {{ cookiecutter.project_slug }}.speed import (
 )
 from {{ cookiecutter.project_slug }}.windows import WindowSampler, plan_batches
 
+import sync_counting
 from conftest import (
     ACCUM,
     ENTRIES,
@@ -174,9 +176,6 @@ def test_every_record_carries_its_mfu_where_the_peak_is_known(env, tmp_path):
 LIBRARY_READS = {
     # the optimizer's step counters: host tensors on a GPU too (AdamW neither fused nor capturable)
     "torch/optim/optimizer.py:_get_value",
-    # without an attention mask, transformers checks position_ids for packed sequences once per
-    # forward (eagerly; under torch.compile the check is traced, no read)
-    "transformers/masking_utils.py:find_packed_sequence_indices",
 }
 # The Trainer's own per-step reads and collectives: its logged loss and grad_norm (.item()), its
 # FLOP count's all-gather, num_items_in_batch gathered across ranks (average_tokens_across_devices)
@@ -194,6 +193,26 @@ def counted_steps(entry: str, out, env: dict, flags: dict) -> list[dict]:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "counts.rank0.json").read_text())
+
+
+def test_the_counter_sees_a_planted_list_index_and_a_blocking_copy(monkeypatch):
+    """The negative control of sync_counting: a list index of a device tensor and a blocking copy of a
+    host tensor to the device are each counted once, at their line's function; slices, tensor indices,
+    dtype casts, a device tensor's move to its own device, a host tensor's list index and a non-blocking
+    copy are not."""
+    reads, collectives = Counter(), Counter()
+    loader = iter(torch.utils.data.DataLoader([torch.ones(2)]))  # (its start reads its seed)
+    sync_counting.count(reads, collectives, monkeypatch.setattr)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch = next(loader)  # a host tensor, as a loader yields it
+    x = torch.arange(6.0, device=device)
+    x[1:3], x[torch.tensor([0, 1], device=device)], x.to(torch.float64), x.to(device), batch[[0]]
+    batch.to(device, non_blocking=True)
+    x[[0, 2]]  # planted: a list index
+    batch.to(device)  # planted: a blocking copy
+    here = "test_speed.py:test_the_counter_sees_a_planted_list_index_and_a_blocking_copy"
+    assert {site.rpartition("/")[2]: n for site, n in reads.items()} == {here + sync_counting.LIST_INDEX: 1,
+                                                                          here + sync_counting.BLOCKING_COPY: 1}
 
 
 def ours(counts: dict) -> int:

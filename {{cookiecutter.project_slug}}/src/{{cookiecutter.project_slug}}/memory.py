@@ -24,6 +24,7 @@ from .config import TrainConfig
 from .data import IGNORE_INDEX
 from .distributed import DistEnv, init_distributed, ranks_with
 from .errors import ConfigError, JobFailed, first_line
+from .launch import Launch
 from .model import autocast_for, build_model, summed_loss
 from .optim import build_optimizer
 from .windows import BatchPlan, Window, plan_batches, windows_from
@@ -101,14 +102,15 @@ def worst_case_batch(cfg: TrainConfig, model_config, size: int, device: torch.de
 
 
 def training_step_peak(cfg: TrainConfig, model_config, size: int, device: torch.device, ddp: bool = False,
-                       accumulation: int = 2) -> int:
+                       accumulation: int = 2, fp32_logits: bool = False) -> int:
     """Peak bytes of a training window at micro batch `size` as every window after the first has it:
     the optimizer's state already there (a first window makes it), two micro-steps (the second's
     backward with the first's gradients held), clipping and the optimizer step; parameters,
     gradients, activations (gradient checkpointing and mixed precision as configured) and the
     micro-batches: on the CPU the window's `accumulation` of them at once, as its loader collates
     them, on a GPU the current one and the next. `ddp`: plus DDP's gradient buckets, a second copy
-    of the gradients. Raises torch.OutOfMemoryError where it does not fit."""
+    of the gradients. `fp32_logits`: the logits made fp32, as Accelerate's model does under mixed precision.
+    Raises torch.OutOfMemoryError where it does not fit."""
     model = build_model(cfg, model_config).to(device)
     optimizer = build_optimizer(model, cfg, device)
     held = 2 if device.type == "cuda" else max(2, accumulation)
@@ -120,7 +122,7 @@ def training_step_peak(cfg: TrainConfig, model_config, size: int, device: torch.
             labels = batch.pop("labels")
             with autocast_for(cfg, device):
                 logits = model(**batch).logits
-            loss = summed_loss(logits, labels, cfg.task)
+            loss = summed_loss(logits.float() if fp32_logits else logits, labels, cfg.task)
             loss.backward()
             loss_sum, targets = loss_sum + loss.detach(), targets + (labels != IGNORE_INDEX).sum()  # as the loops
         if cfg.max_grad_norm:
@@ -133,8 +135,11 @@ def training_step_peak(cfg: TrainConfig, model_config, size: int, device: torch.
     return peak_bytes(window, device, model, optimizer) + buckets
 
 
-def check_auto_micro_batch(cfg: TrainConfig, env: DistEnv) -> None:
+def check_auto_micro_batch(cfg: TrainConfig, env: DistEnv, launch: Launch) -> None:
     """What --micro_batch_size auto needs (an up-front check)."""
+    if launch.backend == "deepspeed" or launch.fsdp:  # the probe holds the whole model, as a DDP process does
+        raise ConfigError(f"micro_batch_size auto measures a whole model per process, not the shards of "
+                          f"{'FSDP' if launch.fsdp else 'DeepSpeed'}; give micro_batch_size")
     if cfg.global_batch_size % env.world_size:
         raise ConfigError(f"micro_batch_size auto: global_batch_size {cfg.global_batch_size} is not divisible by "
                           f"world_size {env.world_size}; use a multiple of {env.world_size}")
@@ -143,7 +148,8 @@ def check_auto_micro_batch(cfg: TrainConfig, env: DistEnv) -> None:
                           "out-of-memory error to search by); or give micro_batch_size")
 
 
-def auto_micro_batch_size(cfg: TrainConfig, model_config, env: DistEnv, at_most: int = 0) -> tuple[int, str]:
+def auto_micro_batch_size(cfg: TrainConfig, model_config, env: DistEnv, at_most: int = 0,
+                          fp32_logits: bool = False) -> tuple[int, str]:
     """--micro_batch_size auto: the largest micro batch whose training step fits, the same on every
     rank (the smallest of the ranks' answers), and how it was found, for the batch table. `at_most`
     (0: no limit) caps the search: a resumed run keeps the micro batch an out-of-memory error left.
@@ -156,7 +162,8 @@ def auto_micro_batch_size(cfg: TrainConfig, model_config, env: DistEnv, at_most:
     def fits(size: int) -> bool:
         try:
             peak = training_step_peak(cfg, model_config, size, env.device, ddp=env.world_size > 1,
-                                      accumulation=math.ceil(cfg.global_batch_size / env.world_size / size))
+                                      accumulation=math.ceil(cfg.global_batch_size / env.world_size / size),
+                                      fp32_logits=fp32_logits)
         except torch.OutOfMemoryError:
             peaks[size] = "out of memory"
             return False
@@ -181,11 +188,12 @@ def auto_micro_batch_size(cfg: TrainConfig, model_config, env: DistEnv, at_most:
     return size, f"largest within the {limit}{capped}; peak per step {tried}"
 
 
-def auto_plan(cfg: TrainConfig, model_config, env: DistEnv, state: dict | None) -> BatchPlan:
+def auto_plan(cfg: TrainConfig, model_config, env: DistEnv, state: dict | None, launch: Launch) -> BatchPlan:
     """startup's batch plan under --micro_batch_size auto: the search, below the ceiling an
     out-of-memory error left. It needs the process group: every rank must agree on the result."""
     init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s)
-    micro_batch_size, chosen_by = auto_micro_batch_size(cfg, model_config, env, auto_ceiling(cfg, state))
+    micro_batch_size, chosen_by = auto_micro_batch_size(cfg, model_config, env, auto_ceiling(cfg, state),
+                                                        launch.on_accelerate and cfg.mixed_precision != "no")
     return plan_batches(cfg.global_batch_size, micro_batch_size, env.world_size, chosen_by)
 
 

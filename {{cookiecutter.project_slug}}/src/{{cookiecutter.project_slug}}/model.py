@@ -13,11 +13,14 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import FullyShardedDataParallelPlugin
 from safetensors.torch import load_model, save_file, save_model
+from torch.autograd.function import once_differentiable
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.configuration_utils import PretrainedConfig
 from transformers.initialization import no_init_weights
 from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_outputs import CausalLMOutput, SequenceClassifierOutput
+from transformers.modeling_utils import AttentionInterface
 from transformers.models.llama import LlamaConfig
 
 from . import ASSETS
@@ -32,6 +35,7 @@ TINY = "tiny"
 FACTORY_FILE = "model_factory.json"  # in final_model/ beside model.safetensors: what rebuilds the model
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 adapt = plug("peft", "lora:adapt", default=lambda cfg, model: model)  # LoRA adapters on the frozen model (peft)
+PLAIN_CAUSAL = "sdpa_causal"  # SDPA without a mask (plain_causal)
 
 
 def _hub_error(name: str, err: Exception) -> ConfigError:
@@ -190,7 +194,20 @@ def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
         # Non-reentrant checkpointing works with DDP's no_sync and with unused parameters.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    return adapt(cfg, model)
+    return adapt(cfg, plain_causal(model) if cfg.task != "sequence_classification" else model)
+
+
+def plain_causal(model: torch.nn.Module) -> torch.nn.Module:
+    """A causal LM on SDPA of plain causal attention (no sliding window, no ALiBi) under a name transformers builds
+    no mask for: no packed-sequence check of the position ids (a host sync per forward; compiled, a dense [B,1,T,T]
+    mask), SDPA's causal kernel. The loops give no padding mask (data.Collator) and position ids 0..T-1."""
+    config = model.config
+    layers = getattr(config, "layer_types", None) or ["sliding" if getattr(config, "sliding_window", None) else "full"]
+    if (config._attn_implementation == "sdpa" and set(layers) <= {"full", "full_attention"}
+            and getattr(config, "is_causal", True) and not getattr(config, "alibi", False)):
+        AttentionInterface.register(PLAIN_CAUSAL, sdpa_attention_forward)
+        config._attn_implementation = PLAIN_CAUSAL
+    return model
 
 
 def save_weights(model: torch.nn.Module, folder: Path, cfg: TrainConfig, config, state_dict: dict | None = None,
@@ -251,8 +268,42 @@ def count_targets(labels: torch.Tensor, task: str) -> int:
     return int((target != IGNORE_INDEX).sum())
 
 
+class SummedCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of rows of logits summed over the targets that are not IGNORE_INDEX, in fp32. The forward
+    also computes the gradient, a chunk of rows at a time, into the one tensor of the logits' size it keeps (no
+    fp32 copy of the logits, no softmax kept); the backward scales it in place (so it runs once)."""
+
+    CHUNK_ELEMENTS = 2**26  # 256 MiB in fp32: what a chunk may hold besides the logits and their gradient
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, with_grad: bool) -> torch.Tensor:
+        ctx.grad = grad = torch.empty_like(logits) if with_grad else None
+        total = torch.zeros((), device=logits.device)
+        rows = max(1, SummedCrossEntropy.CHUNK_ELEMENTS // logits.shape[-1])
+        for start in range(0, len(logits), rows):
+            x, t = logits[start:start + rows].float(), targets[start:start + rows]  # fp32 logits: x is a view
+            g = grad[start:start + rows] if with_grad else None
+            valid = t != IGNORE_INDEX
+            t = t.where(valid, 0)[:, None]
+            # each row minus its largest logit: into the gradient if that is fp32, else into x if x is a copy
+            out = g if with_grad and g.dtype == x.dtype else x if x.dtype != logits.dtype else None
+            z = torch.sub(x, x.amax(-1, keepdim=True), out=out)
+            picked = z.gather(1, t).squeeze(1)
+            sums = z.exp_().sum(-1)
+            total += torch.where(valid, sums.log() - picked, 0).sum()  # log-sum-exp minus the target's logit
+            if with_grad:  # softmax minus the one-hot target, zero where there is no target
+                g.copy_(z.div_(sums[:, None]).scatter_add_(1, t, torch.full_like(z[:, :1], -1)).mul_(valid[:, None]))
+        return total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        return ctx.grad.mul_(grad_output), None, None
+
+
 def summed_loss(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
-    """Cross-entropy summed (not averaged) over the real targets of the batch, in fp32."""
-    if task != "sequence_classification":  # position t predicts token t+1
-        logits, labels = logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    """Cross-entropy summed (not averaged) over the real targets of the batch, in fp32 (SummedCrossEntropy)."""
+    if task != "sequence_classification":  # position t predicts token t+1: the labels move, not the logits
+        labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return SummedCrossEntropy.apply(logits.flatten(0, -2), labels.flatten(),
+                                    torch.is_grad_enabled() and logits.requires_grad)

@@ -80,11 +80,12 @@ class NoisyGradSyncCounter(GradSyncCounter):
         if not all(taken):
             return None, None
         sums = []
-        for parts in taken:
-            per_param = torch.zeros(len(self._index), dtype=torch.float64, device=parts[0][1].device)
+        for parts in taken:  # gathered on the host: indexing the device tensor with a list would copy it there
+            per_param, zero = {}, parts[0][1].new_zeros(())
             for indices, values in parts:
-                per_param[indices] += values
-            sums.append(per_param.sum())
+                for index, value in zip(indices, values.unbind(), strict=True):
+                    per_param[index] = per_param.get(index, zero) + value
+            sums.append(torch.stack([per_param.get(index, zero) for index in range(len(self._index))]).sum())
         return sums[0], sums[1]
 
 

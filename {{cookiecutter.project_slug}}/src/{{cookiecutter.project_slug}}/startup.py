@@ -132,7 +132,7 @@ def _start(cfg: TrainConfig, env: DistEnv, launch: Launch, schedule: tuple, resu
            state: dict | None, finished: bool, preemption: PreemptionSignal) -> Run:
     auto = cfg.micro_batch_size == "auto"  # (config.py allows it only where auto_batch is baked)
     if auto:
-        check_auto_micro_batch(cfg, env)
+        check_auto_micro_batch(cfg, env, launch)
     else:
         plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, env.world_size)
     tokenizer = load_tokenizer(cfg)
@@ -151,7 +151,7 @@ def _start(cfg: TrainConfig, env: DistEnv, launch: Launch, schedule: tuple, resu
             raise RunFinished(f"already done at step {state['step']}: {resume} (nothing changed)")
         checkpoint.note_versions(state, resume)
     if auto:  # the ranks meet once, to agree on the micro batch
-        plan = auto_plan(cfg, config, env, state)
+        plan = auto_plan(cfg, config, env, state, launch)
     check_launcher_env(plan)
     ds_config = deepspeed_config(cfg, plan, launch.deepspeed_path) if launch.on_accelerate else None
     set_tf32(cfg, env.device)

@@ -56,6 +56,12 @@ class WindowTrainer(Trainer):
     def get_train_dataloader(self):
         return self.train_loader
 
+    def _prepare_input(self, data):
+        """A micro-batch's token tensors go to the device without waiting for it (the Trainer's copy blocks)."""
+        if isinstance(data, torch.Tensor) and not data.is_floating_point():
+            return data.to(self.args.device, non_blocking=True)
+        return super()._prepare_input(data)
+
     def floating_point_ops(self, inputs) -> int:
         return 0
 
@@ -118,7 +124,7 @@ class RunRecorder(TrainerCallback):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=args.device)
         num_targets = self.session.targets(self.session.sampler.window_at(state.global_step))
-        self.values = self.session.read_step(window_sum.to(args.device), norm, num_targets,
+        self.values = self.session.read_step(window_sum.to(args.device, non_blocking=True), norm, num_targets,
                                              optimizer.param_groups[0]["lr"], micro_steps)
         self.finite = finite(self.values)
         if not self.finite:
