@@ -235,8 +235,7 @@ def _attempt(env: DistEnv, output_dir: str, what: str, action: Callable[[], None
         action()
     except Exception as err:  # a full disk (an OSError, or the serialiser's error around one), or any other
         error = err
-    failed = ranks_with(error is not None, env.device)
-    if failed:
+    if failed := ranks_with(error is not None, env.device):
         reason = f"{type(error).__name__}: {first_line(error)}" if error else f"{failed} other process(es) failed"
         raise WriteFailed(what, reason, output_dir, error)
 

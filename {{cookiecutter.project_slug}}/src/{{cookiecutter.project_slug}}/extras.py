@@ -71,6 +71,5 @@ def check(cfg) -> None:
 def recorded_off(recorded: dict) -> None:
     """A run recorded with an extra this project lacks continues only where it was off (ConfigError)."""
     for name, value in recorded.items():
-        extra = owner(name)
-        if extra and extra not in BAKED and value != EXTRAS[extra][2][name]:
+        if (extra := owner(name)) and extra not in BAKED and value != EXTRAS[extra][2][name]:
             raise ConfigError(not_baked(f"the run was trained with {name} {value!r}, which", extra))

@@ -281,10 +281,7 @@ def _describe(value) -> str:
 
 def _first(split, column: str, bad) -> tuple[int, object]:
     """The first example whose `column` value is `bad(value)`: only run once a problem is known."""
-    for index, value in enumerate(split[column]):
-        if bad(value):
-            return index, value
-    return -1, None
+    return next(((index, value) for index, value in enumerate(split[column]) if bad(value)), (-1, None))
 
 
 def _check_texts(data, where: str, split: str, task: str) -> None:
