@@ -130,10 +130,9 @@ def cache_folder(cfg: TrainConfig, source, tokenizer) -> Path:
 
 
 class PreparationLock:
-    """One process per filesystem prepares a dataset, the others wait: a file created exclusively (atomic
-    on local and NFS filesystems), its heartbeat kept fresh while its holder works. A holder gone (at once
-    on this host, else after STALE_S without a beat) is taken over; a data error it found is left in an
-    error file, which each waiting process reports as its own one line."""
+    """One process per filesystem prepares a dataset, the others wait: a file created exclusively (atomic on local and
+    NFS filesystems), its heartbeat fresh while its holder works. A holder gone (at once on this host, else after
+    STALE_S without a beat) is taken over; a data error it found is left in a file each waiting process reports."""
 
     def __init__(self, folder: Path):
         self.path, self.error = folder.with_name(folder.name + ".lock"), folder.with_name(folder.name + ".error")
@@ -147,8 +146,8 @@ class PreparationLock:
         except OSError as err:
             raise ConfigError(f"data_cache_dir {self.path.parent} cannot be written to ({err.strerror}); choose a "
                               "folder you can write to") from None
-        pid = os.getpid()
         with os.fdopen(descriptor, "w") as f:
+            pid = os.getpid()
             f.write(json.dumps({"host": socket.gethostname(), "pid": pid, "started": process_started(pid)}))
         self.held.set()
         threading.Thread(target=self._beat, daemon=True).start()

@@ -174,9 +174,8 @@ class OutputLock:
 
 
 def check_shared(output_dir: str, env: DistEnv, wait_s: float = 10.0) -> None:
-    """A job of several nodes writes one run folder from all of them: rank 0 puts a file in output_dir
-    and every rank looks for it (listing the folder, which a network file system revalidates, for up
-    to `wait_s`); a rank that never sees it is one line on every rank (ConfigError)."""
+    """A job of several nodes writes one run folder from all of them: rank 0 puts a file there that every rank must see
+    within `wait_s` (listing the folder, which a network file system revalidates); else ConfigError on all ranks."""
     if env.num_nodes < 2:
         return
     token = torch.tensor(secrets.randbits(62) if env.is_main_process else 0, device=env.device)

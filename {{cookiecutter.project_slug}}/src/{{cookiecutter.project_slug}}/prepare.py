@@ -58,9 +58,8 @@ def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig, work: Path) -> Datas
 
 @contextlib.contextmanager
 def children_end_with_this_process():
-    """The processes forked within the block (tokenising workers, the pool's manager) end when this one
-    does, also on SIGKILL (Linux's parent-death signal, asked for in each child as it starts); they
-    leave Ctrl-C to this process and end quietly on the SIGTERM of the pool's clean-up."""
+    """The processes forked within the block (tokenising workers, the pool's manager) end with this one, also on SIGKILL
+    (a parent-death signal each child asks for); they leave Ctrl-C to it and end quietly on the pool's SIGTERM."""
     global _PARENT
     _PARENT = os.getpid()
     try:
