@@ -7,6 +7,7 @@ memory-mapped. Before a job (on a CPU node, say), with the training flags; docs/
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import re
@@ -63,6 +64,7 @@ def children_end_with_this_process():
     does, also on SIGKILL (Linux's parent-death signal, asked for in each child as it starts); they
     leave Ctrl-C to this process and end quietly on the SIGTERM of the pool's clean-up."""
     global _PARENT
+    _watch_forks()
     _PARENT = os.getpid()
     try:
         yield
@@ -83,7 +85,7 @@ def _end_with_parent() -> None:
         os._exit(1)
 
 
-os.register_at_fork(after_in_child=_end_with_parent)
+_watch_forks = functools.cache(lambda: os.register_at_fork(after_in_child=_end_with_parent))  # once: hooks stay
 
 
 def pack(documents, eos_id: int, block: int, path: Path):
