@@ -14,6 +14,7 @@ CITING = [*DOCS, ROOT / "Makefile", *sorted((ROOT / "scripts").rglob("*.sh")),
 # `README, "Title"`, `docs/x.md, "Title"`, `README's "Title" section`: the title is a heading's start
 CITATION = re.compile(r"\b(README|(?:docs/)?[a-z_]+\.md)(?:,|'s) \"([^\"]+)\"")
 ANCHOR = re.compile(r"\]\(([\w./-]*\.md)#([\w-]+)\)")  # [text](docs/x.md#a-heading)
+LINK = re.compile(r"\]\(([\w./-]+)(?:#[\w-]*)?\)")  # [text](a/relative/path): the file exists
 MAX_WORDS_PER_SENTENCE = 25  # on average over a doc
 LONGEST_SENTENCE = 40  # words: one fact per sentence
 
@@ -45,6 +46,8 @@ def missing_sections(text: str, citing: Path) -> list[str]:
         doc = cited_doc(name, citing)
         if not doc.is_file() or not any(re.match(re.escape(title) + r"\b", h) for h in headings(doc)):
             missing.append(f'{name}, "{title}"')
+    if citing.suffix == ".md":
+        missing += [path for path in LINK.findall(text) if not (citing.parent / path).exists()]
     for path, anchor in ANCHOR.findall(text):
         doc = (citing.parent / path).resolve()
         if not doc.is_file() or anchor not in map(slug, headings(doc)):
@@ -56,6 +59,7 @@ def test_the_checker_finds_a_missing_section():
     readme = ROOT / "README.md"
     assert missing_sections('README, "' + 'No such section"', readme) == ['README, "No such section"']
     assert missing_sections("see [this](docs/guarantees.md#" + "no-such-heading)", readme)
+    assert missing_sections("see [this](docs/" + "no_such_doc.md)", readme) == ["docs/no_such_doc.md"]
     assert not missing_sections('docs/guarantees.md, "Accumulation is exact"', readme)
 
 
