@@ -260,10 +260,15 @@ def test_single_entry_projects_pass_their_fast_tests(baked, entry_points):
 
 def test_the_readme_names_every_answer_and_every_top_level_path(baked):
     """The template README stays current: it names each answer of cookiecutter.json and each file and folder
-    at the top of the bake with every extra."""
+    at the top of the bake with every extra, and each section of the generated docs it cites exists."""
     readme = (TEMPLATE / "README.md").read_text()
     answers = [key for key in json.loads((TEMPLATE / "cookiecutter.json").read_text()) if not key.startswith("_")]
     assert [key for key in answers if f"`{key}`" not in readme] == []
     project = baked(extras="all")
     top = [path.name for path in project.iterdir() if path.name not in (".cookiecutter.json", ".gitignore")]
     assert [name for name in top if name not in readme] == []
+    cited = re.findall(r"`(docs/\w+\.md)`,? \(?\"([^\"]+)\"", readme)  # `docs/x.md`, "Title" or ("Title")
+    assert len(cited) >= 2
+    for doc, title in cited:
+        headings = re.findall(r"^#+ (.+)$", (project / doc).read_text(), re.MULTILINE)
+        assert any(heading.startswith(title) for heading in headings), (doc, title)
