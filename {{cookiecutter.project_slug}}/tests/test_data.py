@@ -677,8 +677,8 @@ def test_a_data_cache_dir_that_cannot_be_written_to_is_one_line(corpus, tmp_path
     monkeypatch.setattr(os, "open", refused)
     with pytest.raises(ConfigError) as err:
         prepare_in(corpus, tmp_path / "cache")
-    assert str(err.value) == (f"data_cache_dir {tmp_path / 'cache'} cannot be written to (Permission denied); choose "
-                              "a folder you can write to")
+    # the whole line of the family: the full disk's, above
+    assert str(err.value).startswith(f"data_cache_dir {tmp_path / 'cache'} cannot be written to (Permission denied)")
 
 
 @pytest.mark.parametrize("text", ["训练数据只有中文", "The quick brown fox jumps over a lazy dog", ""])

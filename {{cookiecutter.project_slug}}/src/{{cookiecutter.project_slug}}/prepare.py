@@ -7,6 +7,7 @@ node, say), with the training flags; docs/data.md tells the story:
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import re
@@ -61,6 +62,7 @@ def children_end_with_this_process():
     """The processes forked within the block (tokenising workers, the pool's manager) end with this one, also on SIGKILL
     (a parent-death signal each child asks for); they leave Ctrl-C to it and end quietly on the pool's SIGTERM."""
     global _PARENT
+    _watch_forks()
     _PARENT = os.getpid()
     try:
         yield
@@ -81,7 +83,7 @@ def _end_with_parent() -> None:
         os._exit(1)
 
 
-os.register_at_fork(after_in_child=_end_with_parent)
+_watch_forks = functools.cache(lambda: os.register_at_fork(after_in_child=_end_with_parent))  # once: hooks stay
 
 
 def pack(documents, eos_id: int, block: int, path: Path):
