@@ -15,8 +15,16 @@ from {{ cookiecutter.project_slug }}.config import TrainConfig
 from {{ cookiecutter.project_slug }}.errors import ConfigError
 from {{ cookiecutter.project_slug }}.model import FACTORY_FILE, build_model, load_tokenizer, model_config, rebuild_model
 
-from conftest import ACCUM, ENTRIES, RunCache, assert_same_training, max_loss_diff, one_error_line, run_entry
-from conftest import shared_folder
+from conftest import (
+    ACCUM,
+    ENTRIES,
+    RunCache,
+    assert_same_training,
+    max_loss_diff,
+    one_error_line,
+    run_entry,
+    shared_folder,
+)
 from helpers import factory_models
 
 FACTORY = "helpers.factory_models:gru"

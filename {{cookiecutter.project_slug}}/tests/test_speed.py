@@ -42,6 +42,7 @@ from conftest import (
     run_entry,
     short_windows,
 )
+from helpers import sync_counting
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 
