@@ -71,7 +71,8 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str, launchers
                                     "helpers/sync_counting", "test_faults", "test_docs",
                                     "test_inputs", "test_levers", "test_parity", "test_resume", "test_scripts",
                                     "test_speed", "test_wandb", "test_elastic", "test_extras", "test_extending",
-                                    "test_model_factory", "helpers/factory_models", "test_gpu_check", "test_install")),
+                                    "test_model_factory", "test_models", "helpers/factory_models", "test_gpu_check",
+                                    "test_install")),
         "tests/README.md",
         "docs/loss_curves.png", *(f"benchmarks/{m}.py" for m in ("__init__", "bare_loop", "common", "gpu_check")),
     }
