@@ -199,7 +199,7 @@ def prepared_folder(cfg: TrainConfig, source: Source, tokenizer) -> Path:
     (again, with one line, where it is damaged), or by the process that holds the lock while this one waits."""
     folder = cache_folder(cfg, source, tokenizer)
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.parent.resolve().mkdir(parents=True, exist_ok=True)  # a link to a folder not yet made: makes it
     except OSError as err:
         raise ConfigError(f"data_cache_dir {folder.parent} cannot be created ({err.strerror}); choose a folder "
                           "you can write to") from None
