@@ -12,11 +12,21 @@ Sharded, the same window on 4 processes (each rank's peak, and the bytes of para
 and optimizer state it holds): DDP, FSDP2 full_shard with each gradient-sync mode, and HSDP as 2
 replicas x 2 shards, all at accumulation 4 (SHARDED_ACCUM).
 
+Sharded start (`--sharded_start`, on its own: minutes of CPU): train_pytorch --fsdp full_shard on
+4 processes from a 270M-parameter Llama folder (hidden 1024 x 24 layers, intermediate 2304, tied, in
+several safetensors files), SGD, one optimizer step and its sharded checkpoint; each process's peak
+resident set (VmHWM, file pages it maps included) over its level after the imports, as a multiple
+of the whole model's fp32 bytes. Each process loads its slices only, so it stays well under 1.
+
     python -m benchmarks.memory                                            # CPU: the tiny model
     python -m benchmarks.memory --model gpt2-small --mixed_precision bf16  # a GPU (4 for the sharded rows)
+    python -m benchmarks.memory --sharded_start                            # CPU or 4 GPUs
 """
 
 import json
+import os
+import subprocess
+import sys
 import tempfile
 from dataclasses import replace
 from functools import partial
@@ -26,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.distributed import cleanup, dist_env, init_distributed, wrap_ddp
@@ -34,7 +45,7 @@ from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, m
 from {{ cookiecutter.project_slug }}.optim import build_optimizer
 from {{ cookiecutter.project_slug }}.sharding import shard
 
-from .common import free_port, parser, prepare_model, train_config, train_flags
+from .common import ROOT, SLUG, free_port, parser, prepare_model, train_config, train_flags
 from .harness import (
     figure,
     lacks_gpus,
@@ -129,7 +140,74 @@ def sharded_rows(args) -> list[dict]:
         return json.loads(out.read_text())
 
 
+START_WORLD_SIZE = 4
+START_MODEL = {"hidden_size": 1024, "num_hidden_layers": 24, "intermediate_size": 2304, "num_attention_heads": 16,
+               "num_key_value_heads": 16, "tie_word_embeddings": True}
+# train_pytorch, each process writing its peak resident set (VmHWM) and its level after the imports
+START_PROCESS = """import json, os, sys
+from pathlib import Path
+
+def high_water():
+    status = Path("/proc/self/status").read_text().split("VmHWM:")[1]
+    return int(status.split()[0]) * 1024
+
+after_imports = None
+try:
+    from {slug} import train_pytorch
+    after_imports = high_water()
+    train_pytorch.main()
+finally:
+    Path(sys.argv[1], os.environ["RANK"] + ".json").write_text(json.dumps([after_imports, high_water()]))
+"""
+
+
+def start_rows(args) -> list[dict]:
+    """The sharded start's row: each process's peak over its level after the imports (a multiple of
+    the fp32 model's bytes), with the allocator's defaults as they are."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, out = Path(tmp) / "model", Path(tmp) / "peaks"
+        out.mkdir()
+        cfg = load_config(train_flags(args))
+        tokenizer = load_tokenizer(cfg)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), **START_MODEL))
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        model.save_pretrained(folder, max_shard_size="300MB")
+        tokenizer.save_pretrained(folder)
+        del model
+        script = Path(tmp) / "start.py"
+        script.write_text(START_PROCESS.format(slug=SLUG))
+        flags = train_flags(args, model_name_or_path=folder, fsdp="full_shard", optimizer="sgd", micro_batch_size=1,
+                            global_batch_size=START_WORLD_SIZE, max_steps=2, stop_after_steps=1,
+                            output_dir=Path(tmp) / "run")
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                               str(START_WORLD_SIZE), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                               str(script), str(out), *flags], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
+        if proc.returncode:
+            raise SystemExit(f"sharded start: train_pytorch failed: {proc.stderr[-2000:]}")
+        peaks = [json.loads((out / f"{rank}.json").read_text()) for rank in range(START_WORLD_SIZE)]
+    ratios = [round((peak - after_imports) / model_bytes, 3) for after_imports, peak in peaks]
+    return [{"mode": "full_shard, sgd, one step and its checkpoint", "world_size": START_WORLD_SIZE,
+             "model_bytes": model_bytes, "ratios": ratios, "largest_ratio": max(ratios),
+             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "default")}]
+
+
+def report_start(args, rows: list[dict]) -> None:
+    print_table(f"sharded start: train_pytorch on {START_WORLD_SIZE} processes, a {rows[0]['model_bytes'] / 4e6:.0f}M-"
+                "parameter Llama folder; each process's peak resident set over its level after the imports",
+                {"mode": "{mode}", "model MiB": "{model:.0f}", "peak / model, each process": "{ratios}",
+                 "largest": "{largest_ratio:.3f}", "MALLOC_MMAP_THRESHOLD_": "{malloc_mmap_threshold}"},
+                [{**row, "model": row["model_bytes"] / MIB} for row in rows])
+    save_results(args, "memory_sharded_start", rows, {"method": "VmHWM over its level after the imports",
+                                                      "model": START_MODEL})
+
+
 def run(args) -> list[dict]:
+    if getattr(args, "sharded_start", False):  # its own flag (python -m benchmarks runs the rest)
+        rows = start_rows(args)
+        report_start(args, rows)
+        return rows
     prepare_model(args)
     cfg = train_config(args)
     device = dist_env().device
@@ -183,7 +261,10 @@ def report_sharded(args, rows: list[dict], settings: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(parser(__doc__.splitlines()[0]).parse_args(argv))
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--sharded_start", action="store_true",
+                   help="only the sharded start's row: train_pytorch's FSDP2 start on 4 processes, a 270M model")
+    run(p.parse_args(argv))
 
 
 if __name__ == "__main__":
