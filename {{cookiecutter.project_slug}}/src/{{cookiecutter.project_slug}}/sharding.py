@@ -143,15 +143,19 @@ class CollectiveCounter:
 class Sharded:
     """train_pytorch's model sharded with FSDP2 in DDP's stead: the process group (joined by one
     process too), its scaler, its collective counter, its checkpoints and its whole weights at the
-    end. `sharded(run, model)` gives it where cfg.fsdp asks for it."""
+    end; built sharded (Sharded.__init__). `sharded(run)` gives it where cfg.fsdp asks for it."""
 
     GradScaler = ShardedGradScaler  # fp16: the overflow check of each rank's shards, agreed by all
 
     def __init__(self, run):
         cfg, env = run.cfg, run.env
         whole = run.resume / "model.safetensors" if run.resume is not None else None
-        files = [whole] if whole is not None and whole.is_file() else [] if cfg.model_name_or_path == TINY else \
-            safetensors_files(Path(cfg.model_name_or_path))
+        if whole is not None and whole.is_file():
+            files = [whole]
+        elif cfg.model_factory or cfg.model_name_or_path == TINY:
+            files = []
+        else:
+            files = safetensors_files(Path(cfg.model_name_or_path))
         # a sharded start, but for a model_factory's model (its own code) and a model whose weights are
         # not in local safetensors files (a hub name, .bin files): built whole, as the unsharded start
         on_meta = files is not None and not cfg.model_factory
