@@ -18,12 +18,23 @@ tokenizer's own small vocabulary, each in a fresh process: the whole process's p
 the first over the second, in bytes of the logits. Goal: at most 2.5 (the logits and one gradient of their
 size, nothing else of their size).
 
+Sharded start (`--sharded_start`, on its own: minutes of CPU): train_pytorch --fsdp full_shard on
+4 processes with a 270M-parameter Llama (hidden 1024 x 24 layers, intermediate 2304, tied), drawn
+by `tiny`'s own init at that size, or read from a folder in several safetensors files; SGD, one
+optimizer step and its sharded checkpoint. Each process's peak resident set (VmHWM, the file pages
+it maps included) over its level after the imports, as a multiple of the model's fp32 bytes: each
+process fills its own shards only, so it stays well under 1.
+
     python -m benchmarks.memory                                            # CPU: the tiny model
     python -m benchmarks.memory --model gpt2-small --mixed_precision bf16  # a GPU (4 for the sharded rows)
+    python -m benchmarks.memory --sharded_start                            # CPU or 4 GPUs
 """
 
 import json
+import os
 import re
+import subprocess
+import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -34,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.distributed import cleanup, dist_env, init_distributed, wrap_ddp
@@ -42,7 +54,7 @@ from {{ cookiecutter.project_slug }}.model import AMP_DTYPES, build_model, load_
 from {{ cookiecutter.project_slug }}.optim import build_optimizer
 from {{ cookiecutter.project_slug }}.sharding import shard
 
-from .common import free_port, parser, prepare_model, train_config, train_flags
+from .common import ROOT, SLUG, free_port, parser, prepare_model, train_config, train_flags
 from .harness import (
     figure,
     lacks_gpus,
@@ -172,7 +184,84 @@ def sharded_rows(args) -> list[dict]:
         return json.loads(out.read_text())
 
 
+START_WORLD_SIZE = 4
+START_MODEL = {"hidden_size": 1024, "num_hidden_layers": 24, "intermediate_size": 2304, "num_attention_heads": 16,
+               "num_key_value_heads": 16, "tie_word_embeddings": True}
+# train_pytorch, each process writing its peak resident set (VmHWM) and its level after the imports;
+# `tiny` made START_MODEL's size (its config otherwise), so that its own init draws the weights
+START_PROCESS = """import json, os, sys
+from pathlib import Path
+
+def high_water():
+    status = Path("/proc/self/status").read_text().split("VmHWM:")[1]
+    return int(status.split()[0]) * 1024
+
+out, after_imports = Path(sys.argv.pop(1)), None  # the rest are train_pytorch's flags
+try:
+    from {slug} import model, train_pytorch
+    llama_config = model.LlamaConfig
+    model.LlamaConfig = lambda **keys: llama_config(**dict(keys, **{sizes}))
+    after_imports = high_water()
+    train_pytorch.main()
+finally:
+    (out / (os.environ["RANK"] + ".json")).write_text(json.dumps([after_imports, high_water()]))
+"""
+
+
+def start_row(args, tmp: Path, source: str, name_or_path, model_bytes: int) -> dict:
+    """train_pytorch's sharded start from `name_or_path` on START_WORLD_SIZE processes, one step and
+    its checkpoint: each process's peak over its level after the imports, over the fp32 model's bytes."""
+    out = tmp / f"peaks_{source}"
+    out.mkdir()
+    script = tmp / "start.py"
+    script.write_text(START_PROCESS.format(slug=SLUG, sizes=START_MODEL))
+    flags = train_flags(args, model_name_or_path=name_or_path, fsdp="full_shard", optimizer="sgd", micro_batch_size=1,
+                        global_batch_size=START_WORLD_SIZE, max_steps=2, stop_after_steps=1,
+                        output_dir=tmp / f"run_{source}")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(START_WORLD_SIZE),
+                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(out),
+                           *flags], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
+    if proc.returncode:
+        raise SystemExit(f"sharded start: train_pytorch failed: {proc.stdout[-1500:]} {proc.stderr[-1500:]}")
+    peaks = [json.loads((out / f"{rank}.json").read_text()) for rank in range(START_WORLD_SIZE)]
+    ratios = [round((peak - after_imports) / model_bytes, 3) for after_imports, peak in peaks]
+    return {"start": source, "world_size": START_WORLD_SIZE, "model_bytes": model_bytes, "ratios": ratios,
+            "largest_ratio": max(ratios), "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "default")}
+
+
+def start_rows(args) -> list[dict]:
+    """The sharded start's rows: `tiny`'s own init at START_MODEL's size, and a folder of that model
+    in several safetensors files; full_shard, SGD, one step and its checkpoint."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "model"
+        tokenizer = load_tokenizer(load_config(train_flags(args)))
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), **START_MODEL))
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        model.save_pretrained(folder, max_shard_size="300MB")
+        tokenizer.save_pretrained(folder)
+        del model
+        return [start_row(args, Path(tmp), "tiny's init", "tiny", model_bytes),
+                start_row(args, Path(tmp), "a folder, 4 files", folder, model_bytes)]
+
+
+def report_start(args, rows: list[dict]) -> None:
+    print_table(f"sharded start: train_pytorch on {START_WORLD_SIZE} processes, a {rows[0]['model_bytes'] / 4e6:.0f}M-"
+                "parameter Llama, full_shard, SGD, one step and its checkpoint; each process's peak resident set "
+                "over its level after the imports",
+                {"start": "{start}", "model MiB": "{model:.0f}", "peak / model, each process": "{ratios}",
+                 "largest": "{largest_ratio:.3f}", "MALLOC_MMAP_THRESHOLD_": "{malloc_mmap_threshold}"},
+                [{**row, "model": row["model_bytes"] / MIB} for row in rows])
+    save_results(args, "memory_sharded_start", rows, {"method": "VmHWM over its level after the imports",
+                                                      "model": START_MODEL})
+
+
 def run(args) -> list[dict]:
+    if getattr(args, "sharded_start", False):  # its own flag (python -m benchmarks runs the rest)
+        rows = start_rows(args)
+        report_start(args, rows)
+        return rows
     prepare_model(args)
     cfg = train_config(args)
     device = dist_env().device
@@ -239,7 +328,10 @@ def report_sharded(args, rows: list[dict], settings: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(parser(__doc__.splitlines()[0]).parse_args(argv))
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--sharded_start", action="store_true",
+                   help="only the sharded start's row: train_pytorch's FSDP2 start on 4 processes, a 270M model")
+    run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

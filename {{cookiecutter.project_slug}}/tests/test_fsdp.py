@@ -7,6 +7,7 @@ processes, accumulation 2); fsdp_grad_sync micro_step (a reduce-scatter every mi
 (one per window). The fast tier (`make test`) runs one cell of each mode.
 """
 
+import inspect
 import json
 import re
 import shutil
@@ -15,7 +16,16 @@ import subprocess
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+)
 
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 from {{ cookiecutter.project_slug }}.distributed import DistEnv
@@ -337,3 +347,117 @@ def test_a_shard_damaged_in_place_is_one_line_naming_the_checkpoint_that_loads(r
     shutil.rmtree(newest)
     again = runs.run("pytorch", 2, out, {**flags, "resume_from_checkpoint": "auto"})
     assert again.returncode == 0 and f"resuming after step 2 from {older}" in again.stdout, again.stderr[-3000:]
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes of storage that ops made (a DTensor's: its local tensor's) alive at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.alive = {ptr: (ref, size) for ptr, (ref, size) in self.alive.items() if not ref.expired()}
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            tensor = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+            if type(tensor) in (torch.Tensor, torch.nn.Parameter) and not tensor.is_meta:  # not a collective's yet
+                storage = tensor.untyped_storage()
+                self.alive.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+        self.peak = max(self.peak, sum(size for _, size in self.alive.values()))
+        return out
+
+
+# train_pytorch's sharded start on its own, on each process: the model as Sharded builds it, each
+# parameter's shard with where it lies in the whole tensor, the buffers, the random state after it,
+# and the most bytes of host tensors alive at once while it was built (LiveBytes)
+SHARDED_START = f"""import sys
+from pathlib import Path
+from types import SimpleNamespace
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor import DTensor
+from {SLUG}.config import load_config
+from {SLUG}.distributed import dist_env
+from {SLUG}.model import load_tokenizer, model_config
+from {SLUG} import sharding
+
+
+{inspect.getsource(LiveBytes)}
+
+out, config_file, *flags = sys.argv[1:]
+cfg = load_config(["--config", config_file, "--fsdp", "full_shard", *flags])
+env = dist_env()
+config = model_config(cfg, load_tokenizer(cfg))
+with LiveBytes() as live:
+    model = sharding.Sharded(SimpleNamespace(cfg=cfg, env=env, model_config=config, resume=None)).model
+shards = dict((name, (param.to_local().clone(), [(s.start, s.stop) for s in sharding.local_slice(param)]))
+              for name, param in model.named_parameters())
+torch.save(dict(shards=shards, buffers=dict(model.named_buffers()), rng=torch.get_rng_state(), live_peak=live.peak,
+                tied=model.lm_head.weight is model.get_input_embeddings().weight), Path(out) / ("rank%d.pt" % env.rank))
+"""
+
+
+def sharded_start(runs, tmp_path, flags: dict, nproc: int = 2) -> list[dict]:
+    script = tmp_path / "sharded_start.py"
+    script.write_text(SHARDED_START)
+    cmd = launch_cmd("pytorch", nproc)
+    cmd[-2:] = [str(script), str(tmp_path), CONFIG]
+    proc = subprocess.run(cmd + flag_args(flags), cwd=ROOT, env=runs.env, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(nproc)]
+
+
+def assert_same_start(ranks: list[dict], whole: torch.nn.Module) -> None:
+    """Each process's shards are its slices of the unsharded start's parameters, bitwise; they cover
+    every parameter once; the buffers are the same; the tied head is the embedding."""
+    params = dict(whole.named_parameters())
+    for rank in ranks:
+        assert set(rank["shards"]) == set(params)
+        for name, (local, where) in rank["shards"].items():
+            assert torch.equal(local, params[name].detach()[tuple(slice(*span) for span in where)]), name
+        for name, buffer in whole.named_buffers():
+            assert torch.equal(rank["buffers"][name], buffer), name
+        assert rank["tied"] == (whole.lm_head.weight is whole.get_input_embeddings().weight)
+    for name, param in params.items():
+        assert sum(rank["shards"][name][0].numel() for rank in ranks) == param.numel(), name
+
+
+def test_the_sharded_start_is_the_unsharded_start_and_no_process_holds_the_whole_model(runs, tmp_path):
+    """tiny, drawn by the model's own init shard by shard: bitwise today's whole start, the random
+    state after it too; and each process's host tensors alive at once stay well under the whole
+    model's bytes (the unsharded start, measured the same way, holds all of them)."""
+    ranks = sharded_start(runs, tmp_path, {})
+    cfg = load_config(["--config", CONFIG, "--fsdp", "full_shard"])
+    config = model_config(cfg, load_tokenizer(cfg))
+    whole = build_model(cfg, config)
+    rng = torch.get_rng_state()
+    assert_same_start(ranks, whole)
+    assert all(torch.equal(rank["rng"], rng) for rank in ranks)
+    model_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
+    live = LiveBytes()
+    with live:
+        build_model(cfg, config)
+    peaks = [rank["live_peak"] / model_bytes for rank in ranks]
+    report(f"sharded start, tiny on 2 processes: host tensors alive at once {max(peaks):.2f} x the model "
+           f"(the unsharded start: {live.peak / model_bytes:.2f} x)")
+    assert live.peak >= model_bytes and max(peaks) < 0.75
+
+
+def test_a_pretrained_folder_starts_sharded_from_slices_of_its_files(runs, tmp_path):
+    """A GPT-2 folder (Conv1D, tied head) written in two safetensors files with an index: each
+    process reads its slices only; the same parameters as from_pretrained's whole load."""
+    cfg = load_config(["--config", CONFIG])
+    tokenizer = load_tokenizer(cfg)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                        tie_word_embeddings=True)
+    torch.manual_seed(1)
+    folder = tmp_path / "gpt2"
+    GPT2LMHeadModel(config).save_pretrained(folder, max_shard_size="100KB")
+    tokenizer.save_pretrained(folder)
+    assert (folder / "model.safetensors.index.json").is_file()
+    ranks = sharded_start(runs, tmp_path, {"model_name_or_path": str(folder)})
+    cfg = load_config(["--config", CONFIG, "--fsdp", "full_shard", "--model_name_or_path", str(folder)])
+    assert_same_start(ranks, build_model(cfg, model_config(cfg, load_tokenizer(cfg))))

@@ -3,8 +3,15 @@
 `no_sync()` for the micro-steps of a window; the collectives each step counted; sharded checkpoints
 (DCP), written in the background with async_checkpoint, that load into any world size, mesh or an
 unsharded model. docs/memory.md says which mode to pick.
+
+A sharded start: the model is built on the meta device and sharded, then each process fills its
+own shards only (no process ever holds the whole model): from the safetensors files, each tensor's
+slice read alone, or with the values the unsharded start draws, each tensor drawn whole one at a
+time by the model's own init (the same random stream, so both starts are bitwise the same).
 """
 
+import copy
+import json
 import shutil
 import threading
 from collections.abc import Callable
@@ -17,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -27,12 +35,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import PreTrainedModel
 
 from .checkpoint import _attempt, mark_complete, older_that_loads, publish, write_atomically
 from .config import TrainConfig
 from .distributed import DistEnv, init_distributed
 from .errors import ConfigError, JobFailed, first_line
-from .model import fsdp_mixed_precision
+from .model import TINY, build_model, fsdp_mixed_precision
 from .speed import COMPILE
 
 DCP_DIR = "dcp"  # a sharded checkpoint's folder inside checkpoints/step_<N>/
@@ -132,15 +143,31 @@ class CollectiveCounter:
 class Sharded:
     """train_pytorch's model sharded with FSDP2 in DDP's stead: the process group (joined by one
     process too), its scaler, its collective counter, its checkpoints and its whole weights at the
-    end. `sharded(run, model)` gives it where cfg.fsdp asks for it."""
+    end; built sharded (Sharded.__init__). `sharded(run)` gives it where cfg.fsdp asks for it."""
 
     GradScaler = ShardedGradScaler  # fp16: the overflow check of each rank's shards, agreed by all
 
-    def __init__(self, run, model: torch.nn.Module):
+    def __init__(self, run):
         cfg, env = run.cfg, run.env
+        whole = run.resume / "model.safetensors" if run.resume is not None else None
+        if whole is not None and whole.is_file():
+            files = [whole]
+        elif cfg.model_factory or cfg.model_name_or_path == TINY:
+            files = []
+        else:
+            files = safetensors_files(Path(cfg.model_name_or_path))
+        # a sharded start, but for a model_factory's model (its own code) and a model whose weights are
+        # not in local safetensors files (a hub name, .bin files): built whole, as the unsharded start
+        on_meta = files is not None and not cfg.model_factory
+        model = build_on_meta(cfg, run.model_config) if on_meta else build_model(cfg, run.model_config).to(env.device)
         layer_classes(model, cfg)  # a refusal before any process waits on another
         init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s, alone_too=True)
         self.model = shard(model, cfg, env)
+        if on_meta:
+            self.model.to_empty(device=env.device)
+        load_slices(self.model, files or [])
+        if on_meta:
+            initialize_shards(self.model)
         self.counter = CollectiveCounter(self.model, hybrid=cfg.fsdp == "hybrid_shard")
         self.env = env
         self.background = dist.new_group(backend="gloo") if cfg.async_checkpoint else None  # save_sharded's
@@ -157,9 +184,106 @@ class Sharded:
         return whole_model_state(self.model)
 
 
-def sharded(run, model: torch.nn.Module) -> Sharded | None:
-    """`model` sharded in place where cfg.fsdp asks for it, or None (DDP)."""
-    return Sharded(run, model) if run.cfg.fsdp != "none" else None
+def sharded(run) -> Sharded | None:
+    """The model, built sharded (a sharded start), where cfg.fsdp asks for it, or None (DDP)."""
+    return Sharded(run) if run.cfg.fsdp != "none" else None
+
+
+def build_on_meta(cfg: TrainConfig, config) -> torch.nn.Module:
+    """build_model's model on the meta device (no memory): built from its config, as `tiny` is, with
+    its ties, its seed drawn and nothing else; its weights come later, shard by shard."""
+    from_config = copy.copy(cfg)
+    from_config.model_name_or_path = TINY  # the architecture is `config`'s
+    with torch.device("meta"):
+        return build_model(from_config, config)
+
+
+def safetensors_files(folder: Path) -> list[Path] | None:
+    """A pretrained folder's safetensors files: those its index names (a sharded checkpoint), or its
+    one file; None where it has neither (a hub name, .bin files)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() else None
+
+
+def local_slice(tensor: torch.Tensor) -> tuple[slice, ...]:
+    """Where this process's shard of `tensor` (a DTensor) lies in the whole tensor; all of it for a plain one."""
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(0, size) for size in tensor.shape)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+
+
+def file_names(model: torch.nn.Module, name: str) -> list[str]:
+    """The names a parameter or buffer may have in a checkpoint: its own, and without (or with) the
+    prefix of the base model (a checkpoint of the base model, or of a model with a head)."""
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    return [name, name.removeprefix(prefix) if name.startswith(prefix) else prefix + name]
+
+
+def load_slices(model: torch.nn.Module, files: list[Path]) -> None:
+    """Each process's shards of the parameters (and the persistent buffers) that `files` hold, each
+    read alone as its slice of the tensor in the file (converted to the model's dtype), one file open
+    at a time. What is loaded is marked initialised (initialize_shards leaves it)."""
+    tensors = {}  # every name of each tensor (tied ones: several)
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if attr not in module._non_persistent_buffers_set:
+            tensors.setdefault(id(tensor), (tensor, []))[1].extend(file_names(model, name))
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            keys = set(f.keys())
+            for tensor, names in list(tensors.values()):
+                key = next((name for name in names if name in keys), None)
+                if key is None:
+                    continue
+                where = local_slice(tensor)
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                if local.numel():
+                    with torch.no_grad():
+                        local.copy_(f.get_slice(key)[where].to(local.dtype))
+                tensor._is_hf_initialized = True
+                del tensors[id(tensor)]
+
+
+def initialize_shards(model: torch.nn.Module) -> None:
+    """The model's own init (`initialize_weights`: the modules in its order, each one's `_init_weights`)
+    on its shards: for each module, its parameters not yet initialised stand in whole (drawn whole,
+    one module at a time), then each process keeps its slice. Every process draws the same numbers,
+    in the unsharded model's order: its values and the random state after it are the unsharded
+    start's. A tied head draws too, and drops it (the unsharded model ties it after its init, to
+    the embedding's values). Buffers (rotary frequencies, embedding scales) are the module's own."""
+    names = {id(module): name for name, module in model.named_modules()}
+    tied = {target for target, source in getattr(model, "all_tied_weights_keys", {}).items()
+            if model.get_parameter(target) is model.get_parameter(source)}
+
+    def on_shards(initialize, module, *args):
+        shards = {name: param for name, param in module._parameters.items()
+                  if isinstance(param, DTensor) and not getattr(param, "_is_hf_initialized", False)}
+        for name, param in shards.items():
+            whole = torch.empty(param.shape, dtype=param.dtype)
+            module._parameters[name] = torch.nn.Parameter(whole, requires_grad=param.requires_grad)
+        try:
+            initialize(module, *args)
+        finally:
+            for name, param in shards.items():
+                whole = module._parameters[name].detach()
+                module._parameters[name] = param
+                if f"{names[id(module)]}.{name}".lstrip(".") not in tied:
+                    with torch.no_grad():
+                        param.to_local().copy_(distribute_tensor(whole, param.device_mesh, param.placements,
+                                                                 src_data_rank=None).to_local())
+
+    models = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
+    for each in models:
+        each._initialize_weights = partial(on_shards, each._initialize_weights)
+    try:
+        model.initialize_weights()
+    finally:
+        for each in models:
+            del each._initialize_weights
 
 
 def training_state(model: torch.nn.Module, optimizer) -> dict:

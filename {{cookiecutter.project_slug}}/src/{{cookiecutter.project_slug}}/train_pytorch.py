@@ -31,7 +31,7 @@ from .windows import Window, finite
 
 # The fsdp extra: the model sharded in DDP's stead where its config asks for it (else None), and a
 # checkpoint's optimizer state whatever the sharding it was written with (else DDP's own)
-shard = extras.plug("fsdp", "sharding:sharded", default=lambda run, model: None)
+shard = extras.plug("fsdp", "sharding:sharded", default=lambda run: None)
 load_training_state = extras.plug(
     "fsdp", "sharding:load_training_state",
     default=lambda model, optimizer, folder, state: optimizer.load_state_dict(state["optimizer"]))
@@ -92,10 +92,10 @@ def train_step(ddp_model, forward, window: Window, optimizer, lr_scheduler, scal
 def train(cfg: TrainConfig) -> None:
     run = start(cfg, entry="pytorch")  # every up-front check
     env = run.env
-    model = build_model(cfg, run.model_config).to(env.device)
-    if run.resume is not None and (run.resume / "model.safetensors").is_file():  # whole weights, before any sharding
+    sharded = shard(run)  # None: DDP's, below; else the model built sharded, each process filling its own shards
+    model = sharded.model if sharded else build_model(cfg, run.model_config).to(env.device)
+    if run.resume is not None and (run.resume / "model.safetensors").is_file() and not sharded:  # whole weights
         load_model(model, str(run.resume / "model.safetensors"), device=str(env.device))
-    sharded = shard(run, model)  # None: DDP's, below; else `model` is sharded in place
     optimizer = build_optimizer(model, cfg, env.device)
     lr_scheduler = build_scheduler(optimizer, cfg, run.total_steps, run.plan)
     scaler = (sharded.GradScaler if sharded else torch.amp.GradScaler)(
