@@ -148,8 +148,7 @@ class TrainConfig(*reversed([module.Keys for module in extras.modules()])):  # t
 
     def __post_init__(self) -> None:
         for name in PATHS:  # `~` as a shell expands it, also where no shell read the value (a YAML file)
-            if getattr(self, name).startswith("~"):
-                setattr(self, name, os.path.expanduser(getattr(self, name)))
+            setattr(self, name, os.path.expanduser(getattr(self, name)))
         if not self.output_dir.strip():
             raise ConfigError("output_dir is empty; name the folder the run writes, e.g. runs/default")
         for f in fields(self):

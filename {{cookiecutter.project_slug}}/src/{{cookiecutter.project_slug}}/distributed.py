@@ -141,10 +141,9 @@ def init_distributed(env: DistEnv, rendezvous_timeout_s: float, collective_timeo
                                 timeout=timedelta(seconds=collective_timeout_s),
                                 device_id=env.device if env.backend == "nccl" else None)
     except dist.DistError as err:
-        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        raise JobFailed(f"rank {env.rank} waited {waited[1]:g} s for the {env.world_size} processes of "
-                        f"this job at {where} ({first_line(err)}); start all of them (torchrun --nproc_per_node, one "
-                        f"agent per node), or raise --{waited[0]}") from None
+        raise JobFailed(f"rank {env.rank} waited {waited[1]:g} s for the {env.world_size} processes of this job at "
+                        f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} ({first_line(err)}); start all of "
+                        f"them (torchrun --nproc_per_node, one agent per node), or raise --{waited[0]}") from None
 
 
 def listening(timeout_s: float) -> bool:
@@ -179,9 +178,8 @@ def cleanup() -> None:
 
 def lost_contact(err: BaseException) -> bool:
     """Whether `err` says another process of the job is gone or not answering (gloo, nccl)."""
-    text = str(err)
     return dist.is_initialized() and (isinstance(err, dist.DistError) or any(
-        sign in text for sign in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer",
+        sign in str(err) for sign in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer",
                                   "NCCL communicator was aborted", "Watchdog caught collective operation timeout")))
 
 
@@ -228,7 +226,6 @@ def sum_and_read(summed: list, kept: list) -> list[float]:
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over all processes in place (no-op for one process) and return it."""
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
@@ -261,12 +258,10 @@ def sync_counter_for(model) -> "GradSyncCounter | None":
 
 
 class GradSyncCounter:
-    """A DDP communication hook around the default all-reduce (DDP takes one): counts the all-reduce
-    calls DDP really makes. `take()` returns and resets.
-
-    Unless DDP looks for unused parameters, a backward that synchronises yet leaves a trainable parameter
-    without a gradient is refused at its end, before any optimizer step (ConfigError): DDP would never
-    reduce that parameter's bucket, and the step would apply gradients that differ between ranks."""
+    """A DDP communication hook around the default all-reduce (DDP takes one): counts the all-reduce calls DDP
+    really makes (`take()` returns and resets). Unless DDP looks for unused parameters, a synchronising backward
+    that leaves a trainable parameter without a gradient is refused at its end (ConfigError), before any optimizer
+    step: DDP would never reduce that parameter's bucket, and the step would apply gradients that differ by rank."""
 
     def __init__(self, ddp_model) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

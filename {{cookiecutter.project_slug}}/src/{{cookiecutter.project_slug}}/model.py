@@ -180,9 +180,8 @@ def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
     auto = AutoModelForCausalLM if cfg.task != "sequence_classification" else AutoModelForSequenceClassification
     torch.manual_seed(cfg.seed)
     if cfg.model_name_or_path == TINY:
-        # Drawn once, by the model's own init, not first by each layer's constructor: the weights
-        # ZeRO-3 draws for a model it builds partitioned (it skips the constructors'), so that a
-        # partitioned start and a whole one train the same
+        # Drawn once, by the model's own init, not first by each layer's constructor: the weights ZeRO-3 draws
+        # for a model it builds partitioned (it skips the constructors'), so that both starts train the same
         zero3 = is_deepspeed_zero3_enabled()
         with nullcontext() if zero3 else no_init_weights():
             model = auto.from_config(config, dtype=torch.float32)
@@ -231,8 +230,7 @@ def save_weights(model: torch.nn.Module, folder: Path, cfg: TrainConfig, config,
 
 
 def rebuild_model(folder: Path) -> torch.nn.Module:
-    """A model_factory model from its final_model/ folder: the factory called as in training, then
-    the weights loaded."""
+    """A model_factory model from its final_model/ folder: the factory called as in training, the weights loaded."""
     recipe = json.loads((Path(folder) / FACTORY_FILE).read_text())
     model = model_factory(recipe["model_factory"])(vocab_size=recipe["vocab_size"], num_labels=recipe["num_labels"],
                                                    cfg=TrainConfig(**recipe["cfg"]))

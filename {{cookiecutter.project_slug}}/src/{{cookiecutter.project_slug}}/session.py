@@ -79,7 +79,7 @@ class Session:
         self.last_elapsed_s = 0.0
         self.flop_counts = flop_counts(model)
         self.input_lengths, self.example_targets = example_sizes(run.data["train"])
-        run.announce(model, self.sampler)
+        run.announce(model)
         self.tracker = Tracker(self.cfg, self.env, run.plan, run.total_steps, run.start_step, run.resume is not None,
                                accelerator)
 

@@ -54,7 +54,7 @@ class Run:
     recorded: dict  # the resumed checkpoint's state ({} for a fresh run): what the extras continue from
     preemption: PreemptionSignal  # SIGUSR1 and SIGTERM, listened for from start-up on
 
-    def announce(self, model, sampler: WindowSampler) -> None:
+    def announce(self, model) -> None:
         """The run's banner (rank 0): what trains on what data, the speed levers, the batch plan."""
         cfg = self.cfg
         examples = f"blocks of {cfg.max_seq_len} tokens" if cfg.packing else "examples"
@@ -65,10 +65,10 @@ class Run:
                   *(["fused AdamW"] if cuda and cfg.fused_adamw and cfg.optimizer == "adamw" else []),
                   f"peak {self.peak_flops / 1e12:g} TFLOP/s per device" if self.peak_flops else "no known peak: no mfu"]
         print0(f"train_{self.launch.entry}: {cfg.task}, {sum(map(numel, model.parameters())):,} parameters, "
-               f"{self.total_steps} optimizer steps ({sampler.steps_per_epoch} {sampler.per_epoch})"
+               f"{self.total_steps} optimizer steps ({self.sampler.steps_per_epoch} {self.sampler.per_epoch})"
                + (f", resuming after step {self.start_step} from {self.resume}" if self.resume else "")
                + f"\ndata: {len(self.data['train']):,} training {examples} from {self.data_folder}"
-               + f"\nspeed: {', '.join(levers)}" + "\n" + sampler.plan.table(cfg.max_seq_len))
+               + f"\nspeed: {', '.join(levers)}" + "\n" + self.sampler.plan.table(cfg.max_seq_len))
 
     def init_distributed(self) -> None:
         """Join the process group (once; one process joins none, unless it runs DeepSpeed); the nodes

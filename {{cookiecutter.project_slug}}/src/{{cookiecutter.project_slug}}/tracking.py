@@ -42,10 +42,6 @@ def check_wandb(cfg: TrainConfig) -> None:
                           "`wandb login`); log in, or set WANDB_MODE=offline and upload later with `wandb sync`")
 
 
-def run_name(env: DistEnv, plan: BatchPlan) -> str:
-    return f"{env.num_nodes}x{env.world_size // env.num_nodes}-acc{plan.grad_accum_steps}-mb{plan.micro_batch_size}"
-
-
 def _count(value: float) -> str:
     """41234.5 -> 41.2k: a rate at a glance."""
     for size, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -75,10 +71,9 @@ class Progress:
         self.since = (start_step, 0.0, 0)  # (step, elapsed_s, tokens) at the last line
         self.shape = None  # (global batch, micro batch) at the last line: a change is shown once
         self.oom = False  # a window was taken again after an out-of-memory error since the last line
-        self.bar = None
-        if sys.stdout.isatty():
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stdout, dynamic_ncols=True,
-                            leave=False, bar_format="{n_fmt}/{total_fmt} {bar:24} {postfix}")
+        # disable=None: no bar where stdout is no terminal
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stdout, disable=None,
+                        dynamic_ncols=True, leave=False, bar_format="{n_fmt}/{total_fmt} {bar:24} {postfix}")
 
     def line(self, record: dict) -> str:
         step, tokens = record["step"], self.since[2] + record["tokens"]
@@ -110,9 +105,8 @@ class Progress:
     def update(self, record: dict) -> None:
         step = record["step"]
         text = self.line(record)
-        if self.bar is not None:
-            self.bar.set_postfix_str(text.partition(" | ")[2], refresh=False)
-            self.bar.update(1)
+        self.bar.set_postfix_str(text.partition(" | ")[2], refresh=False)
+        self.bar.update(1)
         if step % self.every == 0 or step == self.total:
             print0(text)  # above a live bar
             self.since = (step, record["elapsed_s"], 0)
@@ -120,7 +114,7 @@ class Progress:
         else:
             self.since = (*self.since[:2], self.since[2] + record["tokens"])
             self.oom = self.oom or bool(record.get("oom_retries"))
-        if step == self.total and self.bar is not None:
+        if step == self.total:
             self.bar.close()
 
 
@@ -226,10 +220,11 @@ def _init_wandb(cfg: TrainConfig, env: DistEnv, plan: BatchPlan, resumed: bool, 
     id_file = Path(cfg.output_dir) / "wandb_run_id"
     run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
     slurm_job = os.environ.get("SLURM_JOB_ID")
+    name = f"{env.num_nodes}x{env.world_size // env.num_nodes}-acc{plan.grad_accum_steps}-mb{plan.micro_batch_size}"
     run_config = {**cfg.to_dict(), "world_size": env.world_size, "num_nodes": env.num_nodes,
                   "grad_accum_steps": plan.grad_accum_steps, "global_batch_size": plan.global_batch_size,
                   "slurm_job_id": slurm_job}
-    init = {"entity": cfg.wandb_entity or None, "name": os.environ.get("WANDB_NAME") or run_name(env, plan),
+    init = {"entity": cfg.wandb_entity or None, "name": os.environ.get("WANDB_NAME") or name,
             "group": os.environ.get("WANDB_RUN_GROUP") or slurm_job, "id": run_id,
             "resume": "allow" if run_id else None, "dir": None if os.environ.get("WANDB_DIR") else cfg.output_dir,
             "mode": os.environ.get("WANDB_MODE") or ("online" if _has_wandb_key() else "offline")}

@@ -28,8 +28,7 @@ class WindowTrainer(Trainer):
     def __init__(self, *args, session, train_loader, **kwargs):
         self.session, self.train_loader = session, train_loader
         super().__init__(*args, **kwargs)
-        scaler = self.accelerator.scaler
-        if scaler is not None:
+        if (scaler := self.accelerator.scaler) is not None:
             scaler.load_state_dict({**scaler.state_dict(), "scale": session.cfg.fp16_init_scale})
         self.remove_callback(PrinterCallback)
 
@@ -161,9 +160,8 @@ class RunRecorder(TrainerCallback):
             control.should_evaluate = False
 
     def on_save(self, args, state, control, **kwargs):
-        step, cfg = state.global_step, self.session.cfg
-        written = checkpoints_dir(cfg.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
-        publish(cfg, self.session.env, written, checkpoints_dir(cfg.output_dir) / f"step_{step}",
+        step, folder = state.global_step, checkpoints_dir(self.session.cfg.output_dir)
+        publish(self.session.cfg, self.session.env, folder / f"{PREFIX_CHECKPOINT_DIR}-{step}", folder / f"step_{step}",
                 self.session.state(step))
 
 

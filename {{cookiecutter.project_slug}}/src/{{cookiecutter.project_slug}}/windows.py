@@ -72,7 +72,6 @@ class WindowSampler(Sampler):
         self._drawn: tuple[int, np.ndarray] | None = None  # (epoch, its permutation): drawn once per epoch
 
     def steps_in(self, epoch: int) -> int:
-        """Optimizer steps of `epoch`."""
         return -(-self.num_examples // self.plan.global_batch_size)
 
     def span(self, epoch: int, step: int) -> tuple[int, int]:
@@ -136,7 +135,6 @@ class WindowSampler(Sampler):
             yield from self.window(self.epoch, step)
 
     def __len__(self) -> int:
-        """Micro-batches from start_step to the epoch's end."""
         return sum(self.micro_steps(step) for step in range(self.start_step, self.steps_per_epoch))
 
 
