@@ -156,9 +156,10 @@ class Sharded:
             files = []
         else:
             files = safetensors_files(Path(cfg.model_name_or_path))
-        # a sharded start, but for a model_factory's model (its own code) and a model whose weights are
-        # not in local safetensors files (a hub name, .bin files): built whole, as the unsharded start
-        on_meta = files is not None and not cfg.model_factory
+        # a sharded start, but for a model_factory's model (its own code), LoRA's adapters (peft draws them,
+        # not the model's init) and a model whose weights are not in local safetensors files (a hub name,
+        # .bin files): built whole, as the unsharded start
+        on_meta = files is not None and not cfg.model_factory and not getattr(cfg, "lora_r", 0)
         model = build_on_meta(cfg, run.model_config) if on_meta else build_model(cfg, run.model_config).to(env.device)
         layer_classes(model, cfg)  # a refusal before any process waits on another
         init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s, alone_too=True)
