@@ -21,12 +21,12 @@ ENTRIES = ("pytorch", "accelerate", "trainer")
 # extras share stays while one of them is baked. docs/extending.md lists what each extra adds.
 EXTRA_FILES = {
     "fsdp": ["{pkg}/fsdp.py", "{pkg}/sharding.py", "tests/test_fsdp.py"],
-    "auto_batch": ["{pkg}/auto_batch.py", "{pkg}/memory.py", "tests/oom_injection.py", "tests/test_auto_batch.py",
-                   "docs/batch.md"],
+    "auto_batch": ["{pkg}/auto_batch.py", "{pkg}/memory.py", "tests/helpers/oom_injection.py",
+                   "tests/test_auto_batch.py", "docs/batch.md"],
     "batch_schedule": ["{pkg}/batch_schedule.py", "{pkg}/noise.py", "docs/noise_scale.png",
                        "tests/test_batch_schedule.py", "docs/batch.md"],
-    "doctor": ["{pkg}/doctor.py", "{pkg}/hangs.py", "tests/test_doctor.py", "tests/doctor_faults.py",
-               "tests/test_hangs.py", "tests/collective_mismatch.py"],
+    "doctor": ["{pkg}/doctor.py", "{pkg}/hangs.py", "tests/test_doctor.py", "tests/helpers/doctor_faults.py",
+               "tests/test_hangs.py", "tests/helpers/collective_mismatch.py"],
     "safe_checkpoints": ["{pkg}/checkpoint_checks.py", "tests/test_safe_checkpoints.py"],
     "benchmarks": ["benchmarks/__main__.py", "benchmarks/abab.py", "benchmarks/checkpointing.py",
                    "benchmarks/communication.py", "benchmarks/data.py", "benchmarks/harness.py",

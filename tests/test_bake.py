@@ -16,6 +16,7 @@ from conftest import (
     GENERATED_SUITE_TIMEOUT_S,
     SUITE_ANSWERS,
     TASK_SUITES,
+    TEMPLATE,
     GeneratedSuite,
     project_files,
     report,
@@ -33,12 +34,12 @@ EXTRAS = ("fsdp", "auto_batch", "batch_schedule", "doctor", "safe_checkpoints", 
 # What each extra adds to a bake ({pkg}: src/<slug>); benchmarks brings the three extras it measures.
 EXTRA_EXPECTED = {
     "fsdp": {"{pkg}/fsdp.py", "{pkg}/sharding.py"},
-    "auto_batch": {"{pkg}/auto_batch.py", "{pkg}/memory.py", "tests/oom_injection.py", "tests/test_auto_batch.py",
-                   "docs/batch.md"},
+    "auto_batch": {"{pkg}/auto_batch.py", "{pkg}/memory.py", "tests/helpers/oom_injection.py",
+                   "tests/test_auto_batch.py", "docs/batch.md"},
     "batch_schedule": {"{pkg}/batch_schedule.py", "{pkg}/noise.py", "tests/test_batch_schedule.py",
                        "docs/batch.md", "docs/noise_scale.png"},
-    "doctor": {"{pkg}/doctor.py", "{pkg}/hangs.py", "tests/test_doctor.py", "tests/doctor_faults.py",
-               "tests/test_hangs.py", "tests/collective_mismatch.py"},
+    "doctor": {"{pkg}/doctor.py", "{pkg}/hangs.py", "tests/test_doctor.py", "tests/helpers/doctor_faults.py",
+               "tests/test_hangs.py", "tests/helpers/collective_mismatch.py"},
     "safe_checkpoints": {"{pkg}/checkpoint_checks.py", "tests/test_safe_checkpoints.py"},
     "benchmarks": {"tests/test_benchmarks.py", *(f"benchmarks/{m}.py" for m in (
         "__main__", "abab", "checkpointing", "communication", "data", "harness", "library_loops", "loss_curves",
@@ -66,10 +67,13 @@ def expected_files(slug: str, entry_points: str, deepspeed_stage: str, launchers
         *(f"{pkg}/assets/tokenizer/{name}" for name in ("tokenizer.json", "tokenizer_config.json",
                                                          "chat_template.jinja")),
         *(f"tests/{m}.py" for m in ("conftest", "test_batch", "test_cli", "test_config", "test_continue", "test_data",
-                                    "test_output_lock", "fork_launcher", "test_chat", "sync_counting", "test_faults",
+                                    "test_output_lock", "helpers/__init__", "helpers/fork_launcher", "test_chat",
+                                    "helpers/sync_counting", "test_faults", "test_docs",
                                     "test_inputs", "test_levers", "test_parity", "test_resume", "test_scripts",
                                     "test_speed", "test_wandb", "test_elastic", "test_extras", "test_extending",
-                                    "test_model_factory", "factory_models", "test_gpu_check", "test_install")),
+                                    "test_model_factory", "test_models", "helpers/factory_models", "test_gpu_check",
+                                    "test_install")),
+        "tests/README.md",
         "docs/loss_curves.png", *(f"benchmarks/{m}.py" for m in ("__init__", "bare_loop", "common", "gpu_check")),
     }
     for extra in extras:
@@ -258,3 +262,19 @@ def test_single_entry_projects_pass_their_fast_tests(baked, entry_points):
     proc = GeneratedSuite(project, "tests/test_config.py", "tests/test_data.py", "tests/test_scripts.py", "-m",
                           "not slow", "-k", "not trains_with").result()
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+
+
+def test_the_readme_names_every_answer_and_every_top_level_path(baked):
+    """The template README stays current: it names each answer of cookiecutter.json and each file and folder
+    at the top of the bake with every extra, and each section of the generated docs it cites exists."""
+    readme = (TEMPLATE / "README.md").read_text()
+    answers = [key for key in json.loads((TEMPLATE / "cookiecutter.json").read_text()) if not key.startswith("_")]
+    assert [key for key in answers if f"`{key}`" not in readme] == []
+    project = baked(extras="all")
+    top = [path.name for path in project.iterdir() if path.name not in (".cookiecutter.json", ".gitignore")]
+    assert [name for name in top if name not in readme] == []
+    cited = re.findall(r"`(docs/\w+\.md)`,? \(?\"([^\"]+)\"", readme)  # `docs/x.md`, "Title" or ("Title")
+    assert len(cited) >= 2
+    for doc, title in cited:
+        headings = re.findall(r"^#+ (.+)$", (project / doc).read_text(), re.MULTILINE)
+        assert any(heading.startswith(title) for heading in headings), (doc, title)

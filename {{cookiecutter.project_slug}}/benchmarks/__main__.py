@@ -1,6 +1,6 @@
 """Every benchmark in one command: start-up, memory, communication, checkpointing and loop overhead, each
 printing its table and writing its key of bench/results.json, and the plots beside it
-(README, "Performance").
+(docs/performance.md, "What accumulation costs and saves").
 
     python -m benchmarks                                            # CPU: the tiny model (make bench)
     python -m benchmarks --model gpt2-small --mixed_precision bf16  # a GPU (2 for communication)

@@ -154,7 +154,7 @@ def trainer_loop(cfg: TrainConfig, clock: WindowClock) -> None:
         use_cpu=device.type == "cpu",
     )
     trainer = Trainer(model=build_model(cfg, run.model_config), args=args,
-                      train_dataset=run.data["train"].select(run.sampler().permutation(0)),
+                      train_dataset=run.data["train"].select(run.sampler.permutation(0)),
                       data_collator=Collator(run.tokenizer, cfg.task))
     trainer.get_batch_samples = clock.wrap(trainer.get_batch_samples)
     trainer.train()

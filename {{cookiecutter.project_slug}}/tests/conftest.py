@@ -1,6 +1,6 @@
 """Shared test helpers: run an entry point for real (1 process, or torchrun on CPU with gloo)
 and cache the runs, so tests that need the same run share it (also across pytest-xdist workers;
-the cached runs fork from a process that has the entry point imported: fork_launcher.py).
+the cached runs fork from a process that has the entry point imported: helpers/fork_launcher.py).
 
 Everything stays on loopback (127.0.0.1, GLOO_SOCKET_IFNAME=lo), offline (HF_HUB_OFFLINE=1,
 WANDB_MODE=offline in a temporary WANDB_DIR), and every launch has a timeout.
@@ -29,7 +29,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from fork_launcher import ForkLauncher
+from helpers.fork_launcher import ForkLauncher
 
 ROOT = Path(__file__).resolve().parents[1]
 SLUG = "{{ cookiecutter.project_slug }}"
@@ -79,7 +79,7 @@ class Tolerance:
 # fp32: measured at most 1.2e-07 (parameters) and 5.8e-07 (loss) on CPU; the bound leaves room for
 # other BLAS and GPU kernels. bf16: autocast keeps 8 mantissa bits, so a near-zero gradient can change
 # sign between groupings and Adam turns that into a whole lr-sized step (lr 1e-3 here): measured on
-# CPU at most 7.6e-04 and 2.4e-04; the bound is 4 such steps. README, "What is guaranteed".
+# CPU at most 7.6e-04 and 2.4e-04; the bound is 4 such steps. docs/guarantees.md, "Accumulation is exact".
 TOLERANCES = {"no": Tolerance(param=1e-5, loss=1e-5), "bf16": Tolerance(param=4e-3, loss=1e-2)}
 TOL = TOLERANCES[MIXED_PRECISION]
 MEASURED: list[str] = []
@@ -229,8 +229,10 @@ def flag_args(flags: dict | None = None) -> list[str]:
 
 def run_entry(entry: str, nproc: int, output_dir: Path, env: dict, flags: dict | None = None,
               extra: list[str] | None = None) -> Run:
-    """The entry point on `nproc` processes (launch_entry: for more than one, the exit code and
-    report of a failed worker are torchrun's)."""
+    """The one way the tests launch a run: the entry point on `nproc` processes with FAST, `flags`, the
+    output folder and then `extra` (raw arguments) as its command line (launch_entry: one process forked
+    as `python -m` starts it; more under torchrun, whose exit code and report a failed worker gets).
+    `runs` (RunCache) keeps the runs that several tests read; successful_run forks torchrun's workers."""
     if 0 < GPUS < nproc:
         pytest.skip(f"{nproc} processes need {nproc} GPUs (nccl: one process per GPU); this machine has {GPUS}")
     args = flag_args(flags) + ["--output_dir", str(output_dir)] + (extra or [])
@@ -248,7 +250,7 @@ def launch_entry(entry: str, nproc: int, args: list[str], env: dict, logs: Path,
                           timeout=timeout)
 
 
-# Fork servers (fork_launcher.py) by entry point and environment (but W&B's variables, which only
+# Fork servers (helpers/fork_launcher.py) by entry point and environment (but W&B's variables, which only
 # the run reads: wandb is imported when a run starts it), the most recently used last; each holds
 # an entry point's imports (about half a GB), so a few are kept.
 LAUNCHERS: dict[tuple, ForkLauncher] = {}
@@ -258,7 +260,7 @@ KEPT_LAUNCHERS = 4
 def forked_run(entry: str, nproc: int, args: list[str], env: dict, logs: Path,
                timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
     """The entry point with `args` on `nproc` processes, as `python -m` or torchrun would start it,
-    forked from a process that imported it in `env` (fork_launcher.py); its output also in
+    forked from a process that imported it in `env` (helpers/fork_launcher.py); its output also in
     `logs`.stdout and .stderr. Under torchrun where there are GPUs (a process that may have touched
     CUDA must not fork) and for torch.compile (its compile workers hang in a forked process). One
     process: any run (its exit code is the process's, as under `python -m`); more: runs that should
@@ -345,12 +347,18 @@ def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error: ")]
 
 
-def one_error_line(proc, expected: str, code: int = 2) -> str:
-    """A single process that stopped with exit code `code` and exactly one `error:` line, which
-    contains `expected`, and no traceback."""
-    lines = error_lines(proc.stderr)
-    assert proc.returncode == code and len(lines) == 1 and expected in lines[0], (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+def one_error_line(proc, expected: str, code: int = 2, workers: int = 1) -> str:
+    """The one way the tests assert a one-line error: `proc` (a Run or a finished process) exited with
+    `code`, and its output holds one `error:` line containing `expected` (the whole line for a message's
+    exact text, its start otherwise). One process: exactly one line and no traceback. Under a launcher
+    (`workers` processes): each worker that reaches the check prints its line and exits 2, and the
+    launcher stops the others (a worker still starting may be stopped before it prints), so 1 to
+    `workers` lines, all the same; the launcher's own report may hold a traceback."""
+    output = (proc.stdout or "") + (proc.stderr or "")
+    lines = error_lines(output)
+    assert proc.returncode == code, (proc.returncode, output[-3000:])
+    assert 1 <= len(lines) <= workers and len(set(lines)) == 1 and expected in lines[0], output[-3000:]
+    assert workers > 1 or "Traceback" not in output, output[-3000:]
     return lines[0]
 
 
@@ -366,15 +374,6 @@ def strict_records(path: Path) -> list[dict]:
         raise ValueError(f"{constant} in {path}")
 
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
-
-
-def worker_error_lines(output: str, expected: str) -> list[str]:
-    """The `error:` lines 2 workers printed under a launcher. Each worker that reaches the check
-    prints its line and exits 2; the launcher then stops the others, so a worker still starting up
-    may be stopped before it prints: one or two lines, each the expected one."""
-    lines = error_lines(output)
-    assert 1 <= len(lines) <= 2 and all(line.startswith(expected) for line in lines), output[-3000:]
-    return lines
 
 
 def max_abs_diff(a: dict, b: dict) -> float:

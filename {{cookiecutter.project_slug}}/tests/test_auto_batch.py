@@ -2,7 +2,7 @@
 mid-run (the window taken again with a smaller micro batch) and in a synchronising micro-step (the
 job stops, its restart goes on smaller).
 
-The out-of-memory errors are injected (oom_injection.py: torch.OutOfMemoryError from the model's
+The out-of-memory errors are injected (helpers/oom_injection.py: torch.OutOfMemoryError from the model's
 forward pass on one rank above a bound of rows), since this machine has no GPU to fill."""
 
 import json
@@ -50,7 +50,7 @@ AUTO = {"micro_batch_size": "auto", "memory_budget_mb": 100000, "global_batch_si
 def injected(entry: str, spec: str, out, env, flags: dict) -> Run:
     """2 processes of `entry` under torchrun, out-of-memory errors injected on rank 1 (`spec`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "tests" / "oom_injection.py"), spec,
+           "--master_port", str(free_port()), str(ROOT / "tests" / "helpers" / "oom_injection.py"), spec,
            f"{SLUG}.train_{entry}", *flag_args(flags), "--output_dir", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     return Run(proc.returncode, proc.stdout, proc.stderr, out)

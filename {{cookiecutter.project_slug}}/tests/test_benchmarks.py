@@ -1,7 +1,7 @@
-"""The benchmarks measure what they claim (README, "Performance"), in their quick mode: DDP sends one
-gradient's worth of bytes per optimizer step with no_sync() and k times that without; the peak
-memory of an optimizer step follows the micro batch, not the global batch, the loss holds one
-gradient of the logits' size beside them, and sharding divides what each process holds; the memory plan
+"""The benchmarks measure what they claim (docs/performance.md, "What accumulation costs and saves"), in
+their quick mode: DDP sends one gradient's worth of bytes per optimizer step with no_sync() and k times that
+without; the peak memory of an optimizer step follows the micro batch, not the global batch; the loss holds
+one gradient of the logits' size beside them; sharding divides what each process holds; the memory plan
 agrees with them and with docs/memory.md; a sharded save blocks or writes in the background; loss_curves
 draws the runs it is given."""
 

@@ -14,14 +14,7 @@ import pytest
 from {{ cookiecutter.project_slug }}.cli import run_cli
 from {{ cookiecutter.project_slug }}.errors import Interrupted, RunFinished, interruptible
 
-from conftest import ENTRIES, GPUS, ROOT, SLUG, error_lines, free_port, launch_entry, worker_error_lines
-
-
-def launch(entry, nproc, args, env, tmp_path):
-    args = ["--report_to", "none", "--max_steps", "2", *args]
-    if "--output_dir" not in args:
-        args += ["--output_dir", str(tmp_path / "out")]
-    return launch_entry(entry, nproc, args, env, tmp_path / "launch", timeout=180)
+from conftest import ENTRIES, GPUS, ROOT, SLUG, error_lines, free_port, one_error_line, run_entry
 
 
 def bad_inputs(tmp_path):
@@ -42,18 +35,10 @@ def bad_inputs(tmp_path):
     ]
 
 
-def assert_one_line(entry, args, message, env, tmp_path) -> None:
-    proc = launch(entry, 1, args, env, tmp_path)
-    assert proc.returncode == 2, (args, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr, args
-    lines = error_lines(proc.stderr)
-    assert len(lines) == 1 and message in lines[0], (args, proc.stderr[-1000:])
-
-
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_a_bad_input_exits_2_with_one_line(entry, env, tmp_path):
     args, message = bad_inputs(tmp_path)[ENTRIES.index(entry) % len(bad_inputs(tmp_path))]
-    assert_one_line(entry, args, message, env, tmp_path)
+    one_error_line(run_entry(entry, 1, tmp_path / "out", env, {"max_steps": 2}, args), message)
 
 
 @pytest.mark.slow
@@ -63,19 +48,17 @@ def test_bad_inputs_found_at_each_stage_of_the_start_exit_2_with_one_line(env, t
     found at each stage of the start-up (flags, output folder, resume, data, model) on the command
     line, each exit code 2 and one line."""
     for args, message in bad_inputs(tmp_path)[::2]:
-        assert_one_line(ENTRIES[0], args, message, env, tmp_path)
+        one_error_line(run_entry(ENTRIES[0], 1, tmp_path / "out", env, {"max_steps": 2}, args), message)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_workers_report_their_error_under_torchrun(entry, env, tmp_path):
-    proc = launch(entry, 2, ["--global_batch_size", "16", "--micro_batch_size", "3"], env, tmp_path)
-    assert proc.returncode == 1  # torchrun's own code for failed workers
-    output = proc.stdout + proc.stderr
+    run = run_entry(entry, 2, tmp_path / "out", env, {"max_steps": 2, "global_batch_size": 16, "micro_batch_size": 3})
     expected = ("error: global_batch_size 16 is not divisible by micro_batch_size 3 x world_size 2 = 6; "
                 "use a multiple of 6 or another micro_batch_size")
-    worker_error_lines(output, expected)
-    assert "exitcode  : 2" in output
+    one_error_line(run, expected, code=1, workers=2)  # 1: torchrun's own code for failed workers
+    assert "exitcode  : 2" in run.stdout + run.stderr
 
 
 @pytest.mark.slow
@@ -83,8 +66,7 @@ def test_a_configuration_error_under_train_local_is_exit_2_and_the_workers_line_
     proc = subprocess.run(["scripts/train_local.sh", "--global_batch_size", "16", "--micro_batch_size", "3",
                            "--report_to", "none", "--output_dir", str(tmp_path / "out")], cwd=ROOT, capture_output=True,
                           text=True, timeout=180, env={**env, "NPROC_PER_NODE": "2", "PYTHON": sys.executable})
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    worker_error_lines(proc.stderr, "error: global_batch_size 16 is not divisible by micro_batch_size 3 x world_size 2")
+    one_error_line(proc, "error: global_batch_size 16 is not divisible by micro_batch_size 3 x world_size 2", workers=2)
     assert proc.stderr.strip().splitlines() == error_lines(proc.stderr), proc.stderr[-3000:]  # no report, no note
 
 

@@ -12,7 +12,6 @@ import yaml
 
 from {{ cookiecutter.project_slug }}.config import ConfigError, TrainConfig, load_config, render_yaml
 from {{ cookiecutter.project_slug }}.tracking import check_wandb
-from {{ cookiecutter.project_slug }}.windows import plan_batches
 
 from conftest import ROOT
 
@@ -73,13 +72,13 @@ def test_flags_override_the_file(tmp_path):
     ("max_steps: 1.5\n", "invalid int value: '1.5'"),
     ("learning_rate: fast\n", "invalid float value: 'fast'"),
     ("task: translation\n", "invalid choice: 'translation'"),
-    ("micro_batch_size: 0\n", "micro_batch_size must be >= 1 or auto, got 0"),
+    ("micro_batch_size: 0\n", "micro_batch_size must be >= 1"),  # the whole line: max_steps 0
     ("max_steps: 0\n", "max_steps must be -1 (train num_epochs) or >= 1, got 0"),
     ("- a list\n", "must hold a mapping"),
     ("seed: [1, 2]\n", "must be a single value"),
     ("seed: 1\n  bad indent: 2\n", "is not valid YAML at line 2, column 13: mapping values are not allowed here"),
     ("learning_rate: .inf\n", "learning_rate must be a finite number, got inf"),
-    ("max_grad_norm: .nan\n", "max_grad_norm must be a finite number, got nan"),
+    ("max_grad_norm: .nan\n", "max_grad_norm must be a finite number"),  # the whole line: learning_rate .inf
     ("task: yes\n", "key 'task' got the YAML boolean true; quote the value you mean"),
     ("seed: no\n", "key 'seed' got the YAML boolean false"),
     ("report_to:\n", "key(s) report_to in {path} have no value (YAML null); give one, or leave the key out"),
@@ -97,20 +96,20 @@ def test_bad_config_files(tmp_path, text, message):
     (["--max_stepz", "3"], "unknown flag(s) ['--max_stepz', '3']"),
     (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
     (["--seed", "-1"], "seed must be a whole number from 0 to 4294967295, got -1"),
-    (["--seed", str(2**32)], "seed must be a whole number from 0 to 4294967295, got 4294967296"),
+    (["--seed", str(2**32)], "seed must be a whole number from 0 to 4294967295"),  # the whole line: -1
     (["--optimizer", "lion"], "invalid choice: 'lion'"),
-    (["--warmup_steps", "-1"], "warmup_steps must be >= 0, got -1"),
+    (["--warmup_steps", "-1"], "warmup_steps must be >= 0"),  # a whole line: max_nonfinite_steps
     (["--config", "missing.yaml"], "config file missing.yaml not found"),
     (["--config", str(ROOT / "configs")], f"config file {ROOT / 'configs'} is a folder; pass --config PATH to a YAML "
                                           "file in it"),
-    (["--weight_decay", "inf"], "weight_decay must be a finite number, got inf"),
-    (["--learning_rate", "nan"], "learning_rate must be a finite number, got nan"),
+    (["--weight_decay", "inf"], "weight_decay must be a finite number"),  # the whole line: in test_bad_config_files
+    (["--learning_rate", "nan"], "learning_rate must be a finite number"),
     (["--learning-rat", "1"], "unknown flag(s) ['--learning-rat', '1']"),  # no abbreviations
     (["--max_nonfinite_steps", "0"], "max_nonfinite_steps must be >= 1, got 0"),
     (["--min_lr_ratio", "1.5"], "min_lr_ratio must be in [0, 1], got 1.5"),
-    (["--min_lr_ratio", "-0.1"], "min_lr_ratio must be in [0, 1], got -0.1"),
+    (["--min_lr_ratio", "-0.1"], "min_lr_ratio must be in [0, 1]"),  # the whole line: 1.5
     (["--output_dir", ""], "output_dir is empty; name the folder the run writes"),
-    (["--output_dir", "  "], "output_dir is empty; name the folder the run writes"),
+    (["--output_dir", "  "], "output_dir is empty"),  # the whole line: ""
 ])
 def test_bad_flags(argv, message):
     with pytest.raises(ConfigError) as err:
@@ -126,23 +125,6 @@ def test_a_tilde_in_a_path_is_the_home_folder_from_a_file_or_a_flag(tmp_path):
     assert (cfg.output_dir, cfg.data_cache_dir, cfg.deepspeed) == (f"{home}/runs/x", f"{home}/cache", f"{home}/ds.json")
     assert cfg.dataset == "~user_that_is_not/data"  # no such user: left as written, as a shell leaves it
     assert load_config(["--config", str(CONFIG), "--resume_from_checkpoint", "auto"]).resume_from_checkpoint == "auto"
-
-
-@pytest.mark.parametrize("global_batch,micro,world,accum", [(64, 8, 1, 8), (64, 8, 2, 4), (64, 8, 8, 1),
-                                                             (96, 4, 3, 8), (16, 2, 2, 4)])
-def test_batch_maths(global_batch, micro, world, accum):
-    plan = plan_batches(global_batch, micro, world)
-    assert plan.grad_accum_steps == accum
-    assert plan.global_batch_size == global_batch
-    table = plan.table(max_seq_len=32)
-    assert f"{accum:>10}" in table and f"{global_batch * 32:>10}" in table
-
-
-def test_batch_maths_that_does_not_divide():
-    with pytest.raises(ConfigError) as err:
-        plan_batches(64, 8, 3)
-    assert str(err.value).startswith("global_batch_size 64 is not divisible by micro_batch_size 8 x "
-                                     "world_size 3 = 24")
 
 
 def test_unquoted_no_means_no(tmp_path):

@@ -5,7 +5,6 @@ training, from the same entry point."""
 import json
 import os
 import shutil
-import subprocess
 from dataclasses import fields
 
 import pytest
@@ -14,17 +13,12 @@ import torch
 from {{ cookiecutter.project_slug }}.checkpoint import check_same_data, check_same_training, verify_checkpoint
 from {{ cookiecutter.project_slug }}.config import ConfigError, TrainConfig, keys_where, load_config
 
-from conftest import ACCUM, ENTRIES, ROOT, SLUG, TASK, Run, flag_args, forked_run, one_error_line, run_entry, snapshot
+from conftest import ACCUM, ENTRIES, ROOT, SLUG, TASK, Run, flag_args, one_error_line, run_entry, snapshot
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 # One process, 2 checkpoints: a run stopped after step 4 of 6 (checkpoints at steps 2 and 4).
 STOPPED = {"micro_batch_size": 4, "global_batch_size": 16, "max_steps": 6, "save_steps": 2, "stop_after_steps": 4,
            "save_total_limit": 0}
-
-
-def launch(entry: str, out, env, *flags: str) -> subprocess.CompletedProcess:
-    """One process with the suite's FAST flags, then `flags` (its output also beside `out`)."""
-    return forked_run(entry, 1, flag_args() + [*flags, "--output_dir", str(out)], env, out)
 
 
 def flags_of(values: dict) -> list[str]:
@@ -39,27 +33,27 @@ def test_a_finished_run_is_final(env, entry, tmp_path):
     Then the run is final: the same command again is refused; with --resume_from_checkpoint auto
     (what every sbatch script passes on each requeue) it is "already done", not one file changes;
     a changed training key is refused, naming it."""
-    out, flags = tmp_path / "run", flags_of({**STOPPED, "max_steps": 4, "stop_after_steps": 0})
-    first = launch(entry, out, env, *flags)
+    out, flags = tmp_path / "run", {**STOPPED, "max_steps": 4, "stop_after_steps": 0}
+    first = run_entry(entry, 1, out, env, flags)
     assert first.returncode == 0, first.stderr[-3000:]
     model = (out / "final_model" / "model.safetensors").read_bytes()
     shutil.rmtree(out / "final_model")
-    requeued = launch(entry, out, env, *flags, "--resume_from_checkpoint", "auto")
+    requeued = run_entry(entry, 1, out, env, {**flags, "resume_from_checkpoint": "auto"})
     assert requeued.returncode == 0, requeued.stderr[-3000:]
     assert (out / "final_model" / "model.safetensors").read_bytes() == model
     assert [r["step"] for r in Run(0, "", "", out).steps] == [1, 2, 3, 4]
 
     before = snapshot(out)
-    one_error_line(launch(entry, out, env, *flags),
+    one_error_line(run_entry(entry, 1, out, env, flags),
                    f"output_dir {out} holds a finished run ({out / 'final_model'}, step 4); to train it further "
                    f"start a new run from it (--model_name_or_path {out / 'final_model'} --output_dir NEW_DIR)")
-    again = launch(entry, out, env, *flags, "--resume_from_checkpoint", "auto", "--eval_every", "3")
+    again = run_entry(entry, 1, out, env, {**flags, "resume_from_checkpoint": "auto", "eval_every": 3})
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.strip().splitlines()[-1] == f"already done at step 4: {out / 'final_model'} (nothing changed)"
-    cases = [("--seed", "7", "was trained with seed 42, this run has seed 7"),
-             ("--max_steps", "9", "was trained with max_steps 4, this run has max_steps 9")]
-    for flag, value, expected in cases if entry == ENTRIES[0] else cases[:1]:
-        changed = launch(entry, out, env, *flags, "--resume_from_checkpoint", "auto", flag, value)
+    cases = [("seed", 7, "was trained with seed 42, this run has seed 7"),
+             ("max_steps", 9, "was trained with max_steps 4, this run has max_steps 9")]
+    for key, value, expected in cases if entry == ENTRIES[0] else cases[:1]:
+        changed = run_entry(entry, 1, out, env, {**flags, "resume_from_checkpoint": "auto", key: value})
         one_error_line(changed, f"{out / 'final_model'} {expected}")
     assert snapshot(out) == before
 
@@ -85,7 +79,7 @@ def stopped(tmp_path_factory, runs):
     its config merged from configs/train.yaml and OVERLAY."""
     out = tmp_path_factory.mktemp("stopped") / "run"
     (out.parent / "overlay.yaml").write_text(OVERLAY)
-    proc = launch(ENTRIES[0], out, runs.env, *overlaid(out), *flags_of(STOPPED))
+    proc = run_entry(ENTRIES[0], 1, out, runs.env, STOPPED, overlaid(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -117,7 +111,7 @@ CHANGED = {"global_batch_size": 32, "seed": 7, "task": "sequence_classification"
            "max_seq_len": 32, "optimizer": "sgd", "learning_rate": 0.01, "min_lr_ratio": 0.1,
            "lr_scheduler_type": "cosine", "warmup_steps": 1, "weight_decay": 0.5, "max_grad_norm": 0.5,
            "mixed_precision": "fp16", "packing": "true", "global_batch_size_schedule": "0:16,2:32",
-           "lr_batch_scaling": "sqrt", "model_factory": "factory_models:gru"}
+           "lr_batch_scaling": "sqrt", "model_factory": "helpers.factory_models:gru"}
 MAY_CHANGE = {"micro_batch_size": 2, "eval_every": 1, "save_steps": 3, "save_total_limit": 1, "stop_after_steps": 1,
               "report_to": "wandb", "wandb_project": "other", "ddp_bucket_cap_mb": 1, "memory_budget_mb": 5,
               "collective_timeout_s": 60, "gradient_checkpointing": "true"}
@@ -185,8 +179,8 @@ def test_resume_takes_the_keys_that_may_change(stopped):
 def test_a_changed_key_on_resume_is_one_line_from_the_command_line(stopped, runs, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(stopped, out)
-    proc = launch(ENTRIES[0], out, runs.env, *flags_of({**STOPPED, "global_batch_size": 32}),
-                  "--resume_from_checkpoint", "auto")
+    proc = run_entry(ENTRIES[0], 1, out, runs.env,
+                     {**STOPPED, "global_batch_size": 32, "resume_from_checkpoint": "auto"})
     one_error_line(proc, f"{out / 'checkpoints' / 'step_4'} was trained with global_batch_size 16, this run has "
                          "global_batch_size 32; a run continues only with the same global_batch_size")
 
@@ -203,11 +197,11 @@ def test_a_resume_reads_the_same_examples_wherever_they_lie(stopped, runs, tmp_p
     (other / "train.jsonl").write_text("\n".join(rows[1:] + rows[:1]) + "\n")
     resume = [*overlaid(stopped), *flags_of({**STOPPED, "stop_after_steps": 0}), "--resume_from_checkpoint", "auto"]
     before = snapshot(out)
-    one_error_line(launch(ENTRIES[0], out, runs.env, *resume, "--dataset", str(other)),
+    one_error_line(run_entry(ENTRIES[0], 1, out, runs.env, extra=[*resume, "--dataset", str(other)]),
                    f"{out / 'checkpoints' / 'step_4'} was trained on other data than dataset {other} holds now")
     assert snapshot(out) == before
     staged = shutil.copytree(source, tmp_path / "staged")
-    resumed = launch(ENTRIES[0], out, runs.env, *resume, "--dataset", str(staged))
+    resumed = run_entry(ENTRIES[0], 1, out, runs.env, extra=[*resume, "--dataset", str(staged)])
     assert resumed.returncode == 0 and "resuming after step 4" in resumed.stdout, resumed.stderr[-3000:]
     assert [r["step"] for r in Run(0, "", "", out).steps] == list(range(1, 7))
 
@@ -215,7 +209,7 @@ def test_a_resume_reads_the_same_examples_wherever_they_lie(stopped, runs, tmp_p
 @pytest.mark.slow
 @pytest.mark.skipif(len(ENTRIES) < 2, reason="one entry point generated")
 def test_another_entry_points_checkpoint_is_one_line(stopped, runs, tmp_path):
-    proc = launch(ENTRIES[1], stopped, runs.env, *flags_of(STOPPED), "--resume_from_checkpoint", "auto")
+    proc = run_entry(ENTRIES[1], 1, stopped, runs.env, {**STOPPED, "resume_from_checkpoint": "auto"})
     one_error_line(proc, f"{stopped / 'checkpoints' / 'step_4'} was written by train_{ENTRIES[0]}, not "
                          f"train_{ENTRIES[1]}: each entry point keeps its library's checkpoint format")
 
@@ -251,7 +245,7 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_one_that_loads
     newest = out / "checkpoints" / "step_4"
     size = {p.name: p.stat().st_size for p in newest.iterdir()}
     name = damage(newest, how)
-    proc = launch(ENTRIES[0], out, runs.env, *flags_of(STOPPED), "--resume_from_checkpoint", "auto")
+    proc = run_entry(ENTRIES[0], 1, out, runs.env, {**STOPPED, "resume_from_checkpoint": "auto"})
     line = one_error_line(proc, f"error: checkpoint {newest} cannot be loaded: {newest / name} ")
     assert expected.format(size[name]) in line
     assert line.endswith(f"the older checkpoint {out / 'checkpoints' / 'step_2'} loads: --resume_from_checkpoint "
@@ -266,8 +260,7 @@ def test_a_resume_under_other_library_versions_says_so_and_goes_on(stopped, runs
     state = json.loads(state_file.read_text())
     state["versions"]["torch"] = "1.0.0"
     state_file.write_text(json.dumps(state))
-    proc = launch(ENTRIES[0], out, runs.env, *flags_of({**STOPPED, "stop_after_steps": 0}),
-                  "--resume_from_checkpoint", "auto")
+    proc = run_entry(ENTRIES[0], 1, out, runs.env, {**STOPPED, "stop_after_steps": 0, "resume_from_checkpoint": "auto"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     notes = [line for line in proc.stdout.splitlines() if line.startswith("note: ")]
     assert notes == [f"note: {state_file.parent} was written with other library versions "

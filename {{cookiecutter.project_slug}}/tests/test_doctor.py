@@ -1,6 +1,6 @@
 """The doctor (`python -m {{ cookiecutter.project_slug }}.doctor`, `make doctor`): real processes on loopback. Two
 that agree print one table and a checked, timed all-reduce; a process made to differ
-(doctor_faults.py: another library version, a wrong all-reduce result) or one that never comes is
+(helpers/doctor_faults.py: another library version, a wrong all-reduce result) or one that never comes is
 one line and exit code 2; the launch scripts start the doctor in place of training with ENTRY=doctor."""
 
 import re
@@ -82,7 +82,7 @@ def test_two_processes_that_agree_print_one_table_and_a_checked_all_reduce(env):
 ], ids=["other_torch", "no_transformers", "wrong_sum"])
 def test_a_rank_that_differs_is_one_line_naming_it_and_exit_2(env, fault, expected):
     needs_two_devices()
-    first, second = two_ranks(env, str(ROOT / "tests" / "doctor_faults.py"), "1", fault)
+    first, second = two_ranks(env, str(ROOT / "tests" / "helpers" / "doctor_faults.py"), "1", fault)
     one_error_line(first, f"error: {expected}")
     # rank 1 stops with the same exit code and leaves the one line to rank 0
     assert second.returncode == 2 and not error_lines(second.stderr) and "Traceback" not in second.stderr, second.stderr
@@ -92,11 +92,11 @@ def test_a_rank_that_differs_is_one_line_naming_it_and_exit_2(env, fault, expect
 @pytest.mark.slow
 def test_a_failed_check_under_train_local_is_exit_2_and_the_doctors_line_alone(env, tmp_path):
     """torchrun passes the doctor's exit code 2 on and adds no report of its own: the line says it.
-    Rank 1 reports another torch (doctor_faults.py, loaded at start-up through sitecustomize)."""
+    Rank 1 reports another torch (helpers/doctor_faults.py, loaded at start-up through sitecustomize)."""
     needs_two_devices()
     (tmp_path / "sitecustomize.py").write_text(
         f"import os, sys\nif os.environ.get('RANK') == '1':\n    sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
-        "    from doctor_faults import inject\n    inject(1, 'torch=2.12.0')\n")
+        "    from helpers.doctor_faults import inject\n    inject(1, 'torch=2.12.0')\n")
     proc = subprocess.run(["scripts/train_local.sh"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
                           env={**env, "ENTRY": "doctor", "NPROC_PER_NODE": "2", "PYTHON": sys.executable,
                                "PYTHONPATH": str(tmp_path)})

@@ -1,4 +1,4 @@
-"""A collective the ranks disagree on, made for real on 2 gloo processes (collective_mismatch.py:
+"""A collective the ranks disagree on, made for real on 2 gloo processes (helpers/collective_mismatch.py:
 rank 1's all-reduce of step 3 sums one value more): the job ends with one line that names the
 collective, the step and the rank that did not arrive, and a debug file per surviving rank.
 debug_distributed, which DDP on gloo cannot run, is refused before anything is written."""
@@ -19,7 +19,7 @@ FLAGS = {"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 6, "collect
 
 def mismatched(out, env) -> tuple[subprocess.CompletedProcess, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "tests" / "collective_mismatch.py"), "1:3",
+           "--master_port", str(free_port()), str(ROOT / "tests" / "helpers" / "collective_mismatch.py"), "1:3",
            f"{SLUG}.train_pytorch", *flag_args(FLAGS), "--output_dir", str(out)]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -1,6 +1,6 @@
 """The memory levers, with accumulation, in every entry point: fp16 loss scaling, gradient
 checkpointing, the optimizers and schedules, FSDP (the micro batch found from memory:
-tests/test_auto_batch.py). README, "Memory levers"."""
+tests/test_auto_batch.py). docs/memory.md, "Memory levers"."""
 
 import subprocess
 

@@ -63,7 +63,7 @@ def test_lora_keys_are_resolved_and_checked_up_front(env, tmp_path):
                             (["--lora_alpha", "0"], "lora_alpha must be > 0"),
                             (["--lora_dropout", "1"], "lora_dropout must be in \\[0, 1\\)"),
                             (["--lora_r", "4", "--lora_target_modules", "q_proj,qkv"], "'qkv' matches no linear"),
-                            (["--lora_r", "4", "--model_factory", "factory_models:gru"], "model_factory"),
+                            (["--lora_r", "4", "--model_factory", "helpers.factory_models:gru"], "model_factory"),
                             (["--lora_r", "4", "--task", "sequence_classification"], "sequence_classification")]:
         with pytest.raises(ConfigError, match=expected):
             load_config(["--config", CONFIG, *flags])

@@ -1,4 +1,4 @@
-"""A model of a team's own through `model_factory` (tests/factory_models.py: an embedding, a GRU
+"""A model of a team's own through `model_factory` (tests/helpers/factory_models.py: an embedding, a GRU
 and a tied head, no Hugging Face class): it trains alike in every entry point, stops and resumes
 exactly, and its final_model/ rebuilds it; a factory that cannot give such a model, or a model that
 lacks what an option needs, is one line and exit code 2 at start.
@@ -8,7 +8,6 @@ import json
 import os
 from pathlib import Path
 
-import factory_models
 import pytest
 import torch
 
@@ -25,11 +24,11 @@ from conftest import (
     one_error_line,
     run_entry,
     shared_folder,
-    worker_error_lines,
 )
+from helpers import factory_models
 
-FACTORY = "factory_models:gru"
-TESTS = str(Path(__file__).parent)
+FACTORY = "helpers.factory_models:gru"
+TESTS = str(Path(__file__).parent)  # holds helpers/
 FLAGS = {**ACCUM, "model_factory": FACTORY, "peak_tflops": 1}  # a peak, yet no FLOP count: no mfu
 
 
@@ -100,7 +99,7 @@ def test_a_plain_classifier_trains_and_evaluates(env, tmp_path):
     assert json.loads((out / "final_model" / FACTORY_FILE).read_text())["num_labels"] == 2
 
 
-UNUSED = {**FLAGS, "model_factory": "factory_models:unused_pooler"}
+UNUSED = {**FLAGS, "model_factory": "helpers.factory_models:unused_pooler"}
 
 
 @pytest.mark.parametrize("entry", [ENTRIES[0], *(pytest.param(e, marks=pytest.mark.slow) for e in ENTRIES[1:])])
@@ -109,9 +108,9 @@ def test_a_parameter_without_gradient_is_refused_before_the_first_step(entry, en
     first backward that synchronises, on every rank, before any optimizer step or record."""
     out = tmp_path / "out"
     run = run_entry(entry, 2, out, with_tests(env), {**UNUSED, "max_steps": 2})
-    assert run.returncode == 1 and "exitcode  : 2" in run.stderr, run.stderr[-3000:]  # torchrun's code, the workers'
-    worker_error_lines(run.stderr, "error: pooler.weight, pooler.bias got no gradient in a micro-step where DDP "
-                                   "synchronises, so DDP would leave it unsynchronised; set ddp_find_unused_parameters")
+    assert "exitcode  : 2" in run.stderr, run.stderr[-3000:]  # each worker's; 1 is torchrun's own
+    one_error_line(run, "error: pooler.weight, pooler.bias got no gradient in a micro-step where DDP synchronises, so "
+                        "DDP would leave it unsynchronised; set ddp_find_unused_parameters", code=1, workers=2)
     assert run.steps == []
 
 
@@ -132,18 +131,20 @@ def test_a_parameter_without_gradient_trains_exactly_where_ddp_looks_for_it(fact
 
 
 BAD_FACTORIES = [
-    ({"model_factory": "factory_models.gru"}, "model_factory 'factory_models.gru' is not 'package.module:function'"),
+    ({"model_factory": "helpers.factory_models.gru"},
+     "model_factory 'helpers.factory_models.gru' is not 'package.module:function'"),
     ({"model_factory": "no_such_package.models:gru"},
      "cannot import no_such_package.models (ModuleNotFoundError: No module named 'no_such_package')"),
-    ({"model_factory": "factory_models:nothing"}, "factory_models has no function nothing"),
-    ({"model_factory": "factory_models:NOT_CALLABLE"}, "factory_models has no function NOT_CALLABLE"),
-    ({"model_factory": "factory_models:not_a_module"}, "returned a dict, not a torch.nn.Module"),
-    ({"model_factory": "factory_models:positional"}, "(vocab_size=..., num_labels=..., cfg=...) failed (TypeError: "),
-    ({"model_factory": "factory_models:wrong_vocab"}, "expected [1, 2, 108] (the last size is vocab_size)"),
-    ({"model_factory": "factory_models:wrong_vocab", "task": "sequence_classification"},
+    ({"model_factory": "helpers.factory_models:nothing"}, "factory_models has no function nothing"),
+    ({"model_factory": "helpers.factory_models:NOT_CALLABLE"}, "factory_models has no function NOT_CALLABLE"),
+    ({"model_factory": "helpers.factory_models:not_a_module"}, "returned a dict, not a torch.nn.Module"),
+    ({"model_factory": "helpers.factory_models:positional"},
+     "(vocab_size=..., num_labels=..., cfg=...) failed (TypeError: "),
+    ({"model_factory": "helpers.factory_models:wrong_vocab"}, "expected [1, 2, 108] (the last size is vocab_size)"),
+    ({"model_factory": "helpers.factory_models:wrong_vocab", "task": "sequence_classification"},
      "expected [1, 2] (the last size is num_labels)"),
     ({"model_factory": FACTORY, "gradient_checkpointing": True},
-     "gradient_checkpointing: the model_factory 'factory_models:gru' model has no gradient_checkpointing_enable()"),
+     f"gradient_checkpointing: the model_factory '{FACTORY}' model has no gradient_checkpointing_enable()"),
 ]
 
 
@@ -172,5 +173,5 @@ def test_fsdp_needs_the_models_layer_classes(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(TESTS)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     cfg = TrainConfig(model_factory=FACTORY, output_dir=str(tmp_path))
-    with pytest.raises(ConfigError, match="fsdp: the model_factory 'factory_models:gru' model has no _no_split"):
+    with pytest.raises(ConfigError, match=f"fsdp: the model_factory '{FACTORY}' model has no _no_split"):
         build_model(cfg, type("Config", (), {"vocab_size": 11, "num_labels": 2})())

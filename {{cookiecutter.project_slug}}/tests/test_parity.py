@@ -156,7 +156,7 @@ def test_two_torchrun_agents_train_like_one_node(runs, entry, tmp_path):
 @pytest.mark.skipif(GPUS > 0, reason="with GPUs the cached runs start under torchrun")
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_a_forked_cell_is_the_cell_torchrun_starts(runs, entry, tmp_path):
-    """The cached runs fork from a process that has the entry point imported (fork_launcher.py):
+    """The cached runs fork from a process that has the entry point imported (helpers/fork_launcher.py):
     the same cell under torchrun logs the same steps and ends with the same parameters, bitwise."""
     forked = cell(runs, entry, 2, 4)
     started = run_entry(entry, 2, tmp_path / "torchrun", runs.env, {"micro_batch_size": 2, **MATRIX})

@@ -35,6 +35,7 @@ from conftest import (
     logs,
     max_abs_diff,
     max_loss_diff,
+    one_error_line,
     report,
     run_entry,
     run_with_publish_hook,
@@ -42,7 +43,6 @@ from conftest import (
     signal_process_tree,
     successful_run,
     wait_for_step,
-    worker_error_lines,
 )
 
 pytestmark = pytest.mark.slow  # the fast tier (`make test`) leaves this module to `make test-all`
@@ -61,9 +61,8 @@ def test_stop_and_resume_is_exact(runs, entry, tmp_path):
 
     if entry == ENTRIES[0]:  # the refusal is startup.start's, shared by every entry point
         again = run_entry(entry, 2, out, runs.env, ACCUM)
-        assert again.returncode == 1  # torchrun's code for workers that exited with 2
-        worker_error_lines(again.stderr, f"error: output_dir {out} already holds checkpoints (step_4); pass "
-                                         "--resume_from_checkpoint auto to continue")
+        one_error_line(again, f"error: output_dir {out} already holds checkpoints (step_4); pass "
+                       "--resume_from_checkpoint auto to continue", code=1, workers=2)  # 1: torchrun's
 
     second = runs.run(entry, 2, out, {**ACCUM, "resume_from_checkpoint": "auto"})
     assert second.returncode == 0, second.stderr[-3000:]

@@ -220,6 +220,27 @@ def test_sbatch_dry_run_prints_each_nodes_command(script, env):
            "max restarts 1" in proc.stdout.splitlines()
 
 
+@pytest.mark.skipif(not SBATCH, reason="no SLURM scripts in this bake")
+def test_launching_md_shows_what_each_sbatch_script_runs(env):
+    """docs/launching.md's dry runs, without and with a container, are the scripts' own output (run
+    from /home/me/<project> there: this folder and HOME stand in for it). A command with a comment
+    shows its container line alone."""
+    home = "/home/me"
+    env = {**{k: v for k, v in env.items() if k not in ("OMP_NUM_THREADS", "XDG_CACHE_HOME")}, "HOME": home,
+           "PWD": str(ROOT), "SLURM_NNODES": "2", "NPROC_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "32"}
+    block = (ROOT / "docs" / "launching.md").read_text().split("What each script runs, without and with")[1]
+    shown = {}
+    for command, *expected in (part.splitlines() for part in block.split("```")[1].strip().split("\n\n")):
+        command, comment = re.fullmatch(r"\$ (.*?)(\s+#.*)?", command).groups()
+        proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=60)
+        out = proc.stdout.replace(str(ROOT), f"{home}/{SLUG}").splitlines()
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert expected == [line for line in out if not comment or line.startswith("container: ")], command
+        shown.setdefault(command.split()[-3], set()).add("container" if "IMAGE=" in command else "bare")
+    assert shown == {f"scripts/slurm/{p.name}": {"bare", "container"} for p in SBATCH}
+
+
 @pytest.mark.parametrize("variables,said", [
     ({"SLURM_CPUS_PER_TASK": "7"}, "cpus: 7 per node (SRUN_CPUS_PER_TASK=7), OMP_NUM_THREADS=3 per process"),
     ({"SLURM_CPUS_PER_TASK": "1"}, "cpus: 1 per node (SRUN_CPUS_PER_TASK=1), OMP_NUM_THREADS=1 per process"),

@@ -1,7 +1,7 @@
 """The speed levers with accumulation: torch.compile trains as eager does, still all-reduces once
 per bucket per optimizer step, and compiles once (no_sync() toggling, padded lengths, a short
 last window and a filler micro-batch recompile nothing); the MFU every record carries; and each
-optimizer step waits on the device once (sync_counting.py counts)."""
+optimizer step waits on the device once (helpers/sync_counting.py counts)."""
 
 import json
 import subprocess
@@ -25,7 +25,6 @@ from {{ cookiecutter.project_slug }}.speed import (
 )
 from {{ cookiecutter.project_slug }}.windows import WindowSampler, plan_batches
 
-import sync_counting
 from conftest import (
     ACCUM,
     ENTRIES,
@@ -43,6 +42,7 @@ from conftest import (
     run_entry,
     short_windows,
 )
+from helpers import sync_counting
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 
@@ -186,9 +186,9 @@ TRAINER_COLLECTIVES = {"accelerate/utils/operations.py:_gpu_gather_one",
 
 
 def counted_steps(entry: str, out, env: dict, flags: dict) -> list[dict]:
-    """Rank 0's per-step counts of 2 processes of `entry` under sync_counting.py."""
+    """Rank 0's per-step counts of 2 processes of `entry` under helpers/sync_counting.py."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "tests" / "sync_counting.py"), str(out / "counts"),
+           "--master_port", str(free_port()), str(ROOT / "tests" / "helpers" / "sync_counting.py"), str(out / "counts"),
            f"{SLUG}.train_{entry}", *flag_args(flags), "--output_dir", str(out / "run")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]

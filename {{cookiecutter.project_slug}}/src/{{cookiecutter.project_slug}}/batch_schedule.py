@@ -5,6 +5,7 @@ docs/batch.md says how to use them.
 """
 
 import bisect
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -33,6 +34,7 @@ def check(cfg) -> None:
     parse_schedule(cfg.global_batch_size_schedule, cfg.global_batch_size)
 
 
+@functools.cache  # parsed once: config.py's check, then startup's schedule_of reuse the result
 def parse_schedule(text: str, global_batch_size: int) -> tuple[tuple[int, int], ...]:
     """`global_batch_size_schedule` as ((from_step, size), ...); empty: global_batch_size throughout.
     Raises ConfigError naming what is wrong."""

@@ -27,8 +27,7 @@ from .errors import ConfigError, JobFailed, disk_full, first_line
 STATE_FILE = "state.json"
 FINAL_DIR = "final_model"
 LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed")
-# Where the safe_checkpoints extra is baked, why a checkpoint's file would not load safely (its
-# pickles and safetensors headers), or "": the core checks each file's presence and size alone
+# With safe_checkpoints: why a checkpoint's file would not load safely (pickles, safetensors headers); without: ""
 check_file = extras.plug("safe_checkpoints", "checkpoint_checks:check_file", default=lambda path: "")
 
 
@@ -41,7 +40,6 @@ def final_dir(output_dir: str) -> Path:
 
 
 def complete_checkpoints(output_dir: str) -> list[Path]:
-    """Complete checkpoints, oldest first."""
     root = checkpoints_dir(output_dir)
     found = [p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / STATE_FILE).is_file()]
     return sorted(found, key=lambda p: int(p.name[5:]))
@@ -54,8 +52,7 @@ def newest_checkpoint(output_dir: str) -> str:
 
 
 def after_a_failed_write(output_dir: str, err: BaseException | None) -> str:
-    """What to do after a failed write: free space only where the disk is full (errors.disk_full);
-    `err` None where another process failed (its own line says why)."""
+    """What to do after a failed write: free space only where the disk is full; `err` None: another process failed."""
     then = "resume it with --resume_from_checkpoint auto" if complete_checkpoints(output_dir) else "start the run again"
     fix = "free space" if disk_full(err) else "fix what the error names" if err else "see the other process's error"
     return f"{newest_checkpoint(output_dir)}: {fix} and {then}"
@@ -159,9 +156,8 @@ def check_same_entry(state: dict, entry: str, backend: str, where: Path) -> None
 def note_versions(state: dict, where: Path) -> None:
     """One line when the libraries differ from those that wrote the checkpoint (the run goes on)."""
     now = library_versions()
-    changed = [f"{name} {old} -> {now.get(name, 'none')}" for name, old in state.get("versions", {}).items()
-               if now.get(name) != old]
-    if changed:
+    if changed := [f"{name} {old} -> {now.get(name, 'none')}" for name, old in state.get("versions", {}).items()
+                   if now.get(name) != old]:
         print0(f"note: {where} was written with other library versions ({', '.join(changed)}); continuing")
 
 
@@ -196,8 +192,7 @@ def resume_point(cfg: TrainConfig) -> Path | None:
 
 
 def rng_state(device: torch.device) -> dict:
-    """Every RNG of this process, its own GPU's only (a node with fewer GPUs can restore it), as tensors and
-    plain values (loadable with weights_only=True)."""
+    """This process's RNGs, its own GPU's only (a node with fewer GPUs can restore it); weights_only=True loads them."""
     kind, keys, *rest = np.random.get_state()
     return {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), *rest],
             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
@@ -240,8 +235,7 @@ def _attempt(env: DistEnv, output_dir: str, what: str, action: Callable[[], None
         action()
     except Exception as err:  # a full disk (an OSError, or the serialiser's error around one), or any other
         error = err
-    failed = ranks_with(error is not None, env.device)
-    if failed:
+    if failed := ranks_with(error is not None, env.device):
         reason = f"{type(error).__name__}: {first_line(error)}" if error else f"{failed} other process(es) failed"
         raise WriteFailed(what, reason, output_dir, error)
 
@@ -304,8 +298,7 @@ def publish(cfg: TrainConfig, env: DistEnv, written: Path, final: Path, state: d
 
 
 def mark_complete(cfg: TrainConfig, written: Path, final: Path, state: dict) -> None:
-    """On one process: record `state` and the size of every file of `written` in its state.json,
-    rename it to `final` and, for checkpoints, keep the newest save_total_limit."""
+    """On one process: `written` gets its state.json (`state`, its files' checksums) and becomes `final`."""
     (written / "training_args.bin").unlink(missing_ok=True)  # the Trainer's pickle; nothing reads it
     (written / STATE_FILE).write_text(json.dumps({**state, "files": checksums(written, sampled=True)}, indent=2))
     shutil.rmtree(final, ignore_errors=True)

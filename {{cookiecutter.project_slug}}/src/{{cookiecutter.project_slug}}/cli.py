@@ -27,10 +27,9 @@ def say(error) -> None:
 
 
 def run_cli(train: Callable[[TrainConfig], int | None]) -> None:
-    """Parse the config and train (`train` returns a stopped job's exit code, or None); each way a
-    run ends early is one line and its exit code: ConfigError 2, JobFailed its own, RunFinished 0, a
-    lost process 1, Ctrl-C 128 + the signal. The group is destroyed after `train` returned, once
-    DDP's reducer is freed (the other order can abort in gloo's destructor)."""
+    """Parse the config and train; each way a run ends early is one line and its exit code: ConfigError 2, JobFailed
+    its own, RunFinished 0, a lost process 1, Ctrl-C 128 + the signal, or the code `train` returns. The group is
+    destroyed once `train` returned and DDP's reducer is freed (the other order can abort in gloo's destructor)."""
     code, cfg = 0, None
     try:
         cfg = load_config()
@@ -61,8 +60,7 @@ def run_cli(train: Callable[[TrainConfig], int | None]) -> None:
         os._exit(1)  # a peer is gone or stuck: nothing may wait on it again, not even the exit
     except (Interrupted, KeyboardInterrupt) as err:
         signum = getattr(err, "signum", signal.SIGINT)
-        why = err if isinstance(err, Interrupted) else "stopped by SIGINT; a restart resumes from the newest checkpoint"
-        say(why)
+        say(err if isinstance(err, Interrupted) else "stopped by SIGINT; a restart resumes from the newest checkpoint")
         if dist.is_initialized():
             release_held()  # a stopped job lets the next one have its folder
             os._exit(128 + signum)  # the others may be waiting in a collective: nothing may meet them now

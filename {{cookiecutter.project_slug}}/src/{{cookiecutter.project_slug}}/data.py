@@ -16,8 +16,7 @@ ASSISTANT = "assistant_masks"  # chat: 1 on each token of an assistant turn, as 
 
 
 class _Marked(Dataset):
-    """Looks up `(index, real)` pairs and marks each example real or filler; a micro-batch's
-    examples are read from the (memory-mapped) dataset in one gather."""
+    """Reads `(index, real)` keys, each example marked real or filler: a micro-batch in one gather from the dataset."""
 
     def __init__(self, dataset):
         self.dataset = dataset
@@ -37,10 +36,9 @@ class _Marked(Dataset):
 def labels_for(example: dict, task: str) -> torch.Tensor:
     """THE labelling rule: one example's labels, what its loss counts (-100: not counted). The Collator labels every
     micro-batch with it and preparation counts each example's targets with it (each step's divisor), so change what the
-    loss counts here and only here; its source is part of the data cache's key and of data_fingerprint (a resume after a
-    change is refused). causal_lm: the tokens themselves (summed_loss shifts them: token t is position t-1's target); a
-    prompt mask is `labels[:k] = IGNORE_INDEX` on this copy; chat: the assistant's tokens only. Classification: the
-    example's label."""
+    loss counts here only; its source keys the data cache and data_fingerprint (a resume after a change is refused).
+    causal_lm: the tokens (summed_loss shifts them: token t is position t-1's target); a prompt mask is
+    `labels[:k] = IGNORE_INDEX` on this copy; chat: the assistant's tokens only; classification: the example's label."""
     if task == "sequence_classification":
         return torch.tensor(example["label"])
     labels = torch.tensor(example["input_ids"], dtype=torch.long)
@@ -84,8 +82,7 @@ class WindowLoader(DataLoader):
 
 
 def loading(workers: int, pin_memory: bool) -> dict:
-    """DataLoader arguments: `workers` processes collate the next micro-batches while the device
-    computes (kept between epochs), into pinned memory for non-blocking copies to a GPU."""
+    """DataLoader arguments: `workers` collate ahead (kept between epochs), in pinned memory for non-blocking copies."""
     return {"num_workers": workers, "persistent_workers": workers > 0, "pin_memory": pin_memory}
 
 
@@ -95,9 +92,8 @@ def train_dataloader(train_set, sampler, collator: Collator, **loading_kwargs) -
 
 def eval_dataloader(eval_set, rank: int, world_size: int, batch_size: int,
                     collator: Collator, **loading_kwargs) -> DataLoader:
-    """This rank's strided share of the evaluation set (every example exactly once overall), in as many
-    batches as rank 0's: a rank with fewer runs filler batches, since a sharded model's forward (ZeRO-3,
-    FSDP) is a collective that all ranks must join."""
+    """This rank's strided share of the evaluation set (every example once overall), in as many batches as rank 0's:
+    a rank with fewer runs filler batches, since a sharded forward (ZeRO-3, FSDP) is a collective all ranks join."""
     shard = list(range(rank, len(eval_set), world_size))
     batches = [[(i, True) for i in shard[j:j + batch_size]] for j in range(0, len(shard), batch_size)]
     per_rank = math.ceil(math.ceil(len(eval_set) / world_size) / batch_size)

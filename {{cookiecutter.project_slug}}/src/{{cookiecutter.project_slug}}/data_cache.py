@@ -1,7 +1,6 @@
-"""Where prepared data lives and who prepares it: a folder in data_cache_dir named by a hash of
-everything that changes the prepared data, checksums that tell a damaged folder, the content's
-fingerprint, and a lock file so that one process per filesystem prepares it while the others wait
-(prepare.py does the preparing).
+"""Where prepared data lives and who prepares it: a folder in data_cache_dir named by a hash of everything that changes
+the prepared data, checksums that tell a damaged folder, the content's fingerprint, and a lock file so that one process
+per filesystem prepares it while the others wait (prepare.py does the preparing).
 """
 
 import contextlib
@@ -53,9 +52,8 @@ def code_fingerprint() -> str:
 
 
 def content_fingerprint(split) -> str:
-    """A hash of a prepared split's examples (their tokens, labels and targets) and of the labelling
-    rule (data.labels_for, by its source), not of where they came from: the same corpus staged to
-    another folder, or tokenised by other processes, hashes alike."""
+    """A hash of a prepared split's examples (tokens, labels, targets) and of the labelling rule (data.labels_for's
+    source), not of where they came from: the same corpus staged elsewhere, or tokenised by other processes, alike."""
     digest = hashlib.sha256(inspect.getsource(labels_for).encode())
     for name in sorted(split.column_names):
         lengths, values = hashlib.sha256(), hashlib.sha256()
@@ -68,33 +66,27 @@ def content_fingerprint(split) -> str:
     return digest.hexdigest()[:32]
 
 
-def _blocks(path: Path, wanted=None) -> list[int]:
-    """crc32 of each BLOCK of `path` (or of the pieces numbered in `wanted`)."""
+def _blocks(path: Path, wanted: list[int]) -> list[int]:
     with path.open("rb") as f:
-        if wanted is None:
-            return [zlib.crc32(piece) for piece in iter(lambda: f.read(BLOCK), b"")]
         return [zlib.crc32(os.pread(f.fileno(), BLOCK, index * BLOCK)) for index in wanted]
 
 
-def _wanted(size: int) -> list[int]:
-    """The pieces a check reads: every one of a file of up to CHECKED_BLOCKS, else that many spread
-    over it, the first and last among them."""
+def _wanted(size: int, sampled: bool = True) -> list[int]:
+    """The pieces a check reads: all (not `sampled`, or up to CHECKED_BLOCKS), else that many spread over the file."""
     count = -(-size // BLOCK)
-    return list(range(count)) if count <= CHECKED_BLOCKS else sorted(
+    return list(range(count)) if count <= CHECKED_BLOCKS or not sampled else sorted(
         {round(i * (count - 1) / (CHECKED_BLOCKS - 1)) for i in range(CHECKED_BLOCKS)})
 
 
 def checksums(folder: Path, sampled: bool = False) -> dict:
-    """Size and piecewise crc32 of every file under `folder`: of every piece, or (`sampled`: a
-    checkpoint, read back once) of the pieces a check reads."""
+    """Size and piecewise crc32 of every file under `folder` (`sampled`, a checkpoint: the pieces a check reads)."""
     return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size,
-                                               "crc32": _blocks(p, _wanted(p.stat().st_size) if sampled else None)}
+                                               "crc32": _blocks(p, _wanted(p.stat().st_size, sampled))}
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != META_FILE}
 
 
 def file_damage(path: Path, expected: dict) -> str:
-    """What is wrong with a file that `checksums` recorded as `expected`, or "": missing, resized,
-    or a piece whose checksum changed."""
+    """What is wrong with a file that `checksums` recorded as `expected` (missing, resized, a changed piece), or ""."""
     if not path.is_file():
         return "is missing"
     if path.stat().st_size != expected["size"]:
@@ -108,8 +100,7 @@ def file_damage(path: Path, expected: dict) -> str:
 
 
 def damage(folder: Path) -> str | None:
-    """None where nothing is prepared in `folder`, "" where it is whole, else what is wrong with it
-    (the first damaged file, file_damage)."""
+    """None where nothing is prepared in `folder`, "" where it is whole, else what is wrong with a file of it."""
     if not folder.is_dir():
         return None
     try:
@@ -128,9 +119,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def cache_folder(cfg: TrainConfig, source, tokenizer) -> Path:
-    """The prepared data's folder in data_cache_dir, named by a hash of everything that changes it: the
-    keys declared data=True, the source files, the tokenizer and the preparing code (a sweep over one
-    corpus shares it whatever the output_dir; a changed file, setting or code prepares anew)."""
+    """The prepared data's folder in data_cache_dir, named by a hash of all that changes it: the keys declared
+    data=True, the source files, the tokenizer and the preparing code (a sweep over one corpus shares it)."""
     values = {name: getattr(cfg, name) for name in keys_where(data=True)}
     values.update(dataset=source_fingerprint(source), model_name_or_path=tokenizer_fingerprint(tokenizer),
                   code=code_fingerprint())
@@ -140,10 +130,9 @@ def cache_folder(cfg: TrainConfig, source, tokenizer) -> Path:
 
 
 class PreparationLock:
-    """One process per filesystem prepares a dataset, the others wait: a file created exclusively (atomic
-    on local and NFS filesystems), its heartbeat kept fresh while its holder works. A holder gone (at once
-    on this host, else after STALE_S without a beat) is taken over; a data error it found is left in an
-    error file, which each waiting process reports as its own one line."""
+    """One process per filesystem prepares a dataset, the others wait: a file created exclusively (atomic on local and
+    NFS filesystems), its heartbeat fresh while its holder works. A holder gone (at once on this host, else after
+    STALE_S without a beat) is taken over; a data error it found is left in a file each waiting process reports."""
 
     def __init__(self, folder: Path):
         self.path, self.error = folder.with_name(folder.name + ".lock"), folder.with_name(folder.name + ".error")
@@ -180,8 +169,7 @@ class PreparationLock:
             self.path.unlink(missing_ok=True)
 
     def gone(self) -> dict | None:
-        """The lock's holder where it died (at once on this host; elsewhere once its heartbeat is
-        older than STALE_S), else None."""
+        """The lock's holder where it died (at once on this host, elsewhere after STALE_S without a beat), else None."""
         holder = read_holder(self.path)
         here = running_here(holder) if "pid" in holder else None
         with contextlib.suppress(OSError):

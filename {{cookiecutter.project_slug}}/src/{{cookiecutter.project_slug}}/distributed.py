@@ -1,5 +1,6 @@
-"""The process group of the entry points, the collectives they use, and `print0`. Rank, world size and device
-come from the launcher's environment, checked before any group exists (a wrong launch is a ConfigError).
+"""The process group, its collectives (sum_and_read: a step's values in one all-reduce), `print0`, the preemption
+signals (PreemptionSignal) and DDP's gradient-sync counter (GradSyncCounter). Rank, world size and device come from
+the launcher's environment, checked before any group exists (a wrong launch is a ConfigError).
 """
 
 import gc
@@ -9,7 +10,6 @@ import signal
 import socket
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -24,10 +24,9 @@ from .errors import ConfigError, JobFailed, first_line
 from .extras import plug
 
 # torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers; Accelerate and the Trainer pass
-# the old name (same effect), so its deprecation warning is left out.
+# the old name (same effect): startup.start() leaves its deprecation warning out.
 NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
                   else {"broadcast_buffers": False})
-warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
 FLIGHT_RECORDER_ENTRIES = "2000"  # torch's Flight Recorder: the latest collectives of each process
 
 

@@ -40,9 +40,8 @@ def evaluate(model: torch.nn.Module, loader, task: str, device: torch.device, au
     """eval_metrics of the validation set, every rank evaluating its shard."""
     was_training = model.training
     model.eval()
-    num_labels = 0  # the classes: the logits' last size
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    confusion = torch.zeros(0, dtype=torch.float64, device=device)
+    confusion = np.zeros((0, 0))  # classification: truth x prediction, as many classes as the logits have
     for batch in loader:
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch.pop("labels")
@@ -50,14 +49,10 @@ def evaluate(model: torch.nn.Module, loader, task: str, device: torch.device, au
             logits = model(**batch).logits
         totals[0] += summed_loss(logits, labels, task).double()
         totals[1] += count_targets(labels, task)
-        if task == "sequence_classification":
-            if not num_labels:  # every rank runs at least one batch (eval_dataloader)
-                num_labels = logits.shape[-1]
-                confusion = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
-            cm = confusion_matrix(labels.cpu().numpy(), logits.argmax(-1).cpu().numpy(), num_labels)
-            confusion += torch.as_tensor(cm.reshape(-1), dtype=torch.float64, device=device)
+        if task == "sequence_classification":  # every rank runs at least one batch (eval_dataloader): one shape
+            cm = confusion_matrix(labels.cpu().numpy(), logits.argmax(-1).cpu().numpy(), logits.shape[-1])
+            confusion = confusion + cm if confusion.size else cm
     all_reduce_sum(totals)
-    all_reduce_sum(confusion)
+    confusion = all_reduce_sum(torch.as_tensor(confusion, dtype=torch.float64, device=device))
     model.train(was_training)
-    classes = None if task != "sequence_classification" else confusion.view(num_labels, num_labels).cpu().numpy()
-    return eval_metrics(*totals.tolist(), classes)
+    return eval_metrics(*totals.tolist(), confusion.cpu().numpy() if task == "sequence_classification" else None)

@@ -38,7 +38,6 @@ def key(help: str, default, *, resume: str, data: bool):
 
 
 def owner(name: str) -> str | None:
-    """The extra that declares config key `name`, or None."""
     return next((extra for extra, (_, _, keys) in EXTRAS.items() if name in keys), None)
 
 
@@ -49,13 +48,11 @@ def not_baked(what: str, extra: str) -> str:
 
 
 def require(extra: str, what: str) -> None:
-    """ConfigError unless `extra` is baked."""
     if extra not in BAKED:
         raise ConfigError(not_baked(what, extra))
 
 
 def modules() -> list:
-    """The baked extras' key modules, in the order of EXTRAS."""
     return [importlib.import_module(f".{module}", __package__) for name, (_, module, _) in EXTRAS.items()
             if name in BAKED and module]
 
@@ -69,7 +66,6 @@ def plug(extra: str, where: str, default=None):
 
 
 def check(cfg) -> None:
-    """Each baked extra's checks of its own keys (ConfigError)."""
     for module in modules():
         if hasattr(module, "check"):
             module.check(cfg)
@@ -78,6 +74,5 @@ def check(cfg) -> None:
 def recorded_off(recorded: dict) -> None:
     """A run recorded with an extra this project lacks continues only where it was off (ConfigError)."""
     for name, value in recorded.items():
-        extra = owner(name)
-        if extra and extra not in BAKED and value != EXTRAS[extra][2][name]:
+        if (extra := owner(name)) and extra not in BAKED and value != EXTRAS[extra][2][name]:
             raise ConfigError(not_baked(f"the run was trained with {name} {value!r}, which", extra))

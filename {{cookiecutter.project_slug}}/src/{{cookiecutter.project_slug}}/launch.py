@@ -1,7 +1,6 @@
-"""How this job was launched (`Launch`, read once): the entry point, its back end, the DeepSpeed
-file and FSDP; what each cannot run is refused, and the launcher's and DeepSpeed's copies of the
-batch numbers are checked against ours (one line, exit code 2) or filled where they say "auto".
-docs/launching.md tells the story.
+"""How this job was launched (`Launch`, read once): the entry point, its back end, the DeepSpeed file and FSDP; what
+each cannot run is refused, and the launcher's and DeepSpeed's copies of the batch numbers are checked against ours (one
+line, exit code 2) or filled where they say "auto". docs/launching.md tells the story.
 """
 
 import json

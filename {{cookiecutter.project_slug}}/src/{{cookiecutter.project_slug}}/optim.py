@@ -48,14 +48,12 @@ def clip_gradients(model: torch.nn.Module, max_grad_norm: float) -> torch.Tensor
 
 
 def total_steps(cfg: TrainConfig, sampler) -> int:
-    """Optimizer steps of the whole run: max_steps, or num_epochs epochs when it is -1."""
     return cfg.max_steps if cfg.max_steps > 0 else sampler.first_step(cfg.num_epochs)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps: int, plan: BatchPlan):
-    """The lr schedule over `steps` optimizer steps, linear and cosine decaying to min_lr_ratio x
-    learning_rate; with lr_batch_scaling (batch_schedule), each step's lr also scaled with its global batch (the
-    schedule counts the steps it applied: a skipped step, which leaves it where it is, is not counted)."""
+    """The lr schedule over `steps` optimizer steps, linear and cosine decaying to min_lr_ratio x learning_rate; with
+    lr_batch_scaling (batch_schedule) each step's lr scales with its global batch (a skipped step is not counted)."""
     scheduler = get_scheduler(SCHEDULES[cfg.lr_scheduler_type], optimizer,
                               num_warmup_steps=cfg.warmup_steps, num_training_steps=steps)
     if cfg.lr_scheduler_type != "constant" and cfg.min_lr_ratio:  # after warmup, decay from 1 to the floor

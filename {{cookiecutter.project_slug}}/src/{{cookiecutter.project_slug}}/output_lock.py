@@ -1,8 +1,7 @@
-"""One job per run folder: `output_dir/.lock` names the job that writes there (host, pid, job
-identity, start time, heartbeat). A second job is refused with one line naming the holder; the
-same job restarted (a SLURM requeue, a torchrun restart) takes over at once, and so does any job
-once the holder is gone (same host: its pid; another host: a heartbeat older than a minute).
-A job of several nodes checks that they all see the folder.
+"""One job per run folder: `output_dir/.lock` names the job that writes there (host, pid, job identity, start time,
+heartbeat). A second job is refused with one line naming the holder; the same job restarted (a SLURM requeue, a torchrun
+restart) takes over at once, and so does any job once the holder is gone (same host: its pid; another host: a heartbeat
+older than a minute). A job of several nodes checks that they all see the folder.
 """
 
 import atexit
@@ -95,8 +94,7 @@ class OutputLock:
         return read_holder(self.path) or None
 
     def check(self) -> dict | None:
-        """ConfigError where another running job holds the folder; else the gone job whose lock this one
-        takes over (None: free, or this very job before a restart)."""
+        """ConfigError where another running job holds the folder; else the gone holder to take over, or None."""
         return self._judge(self.holder())
 
     def _judge(self, holder: dict | None) -> dict | None:
@@ -141,12 +139,15 @@ class OutputLock:
         finally:
             tmp.unlink(missing_ok=True)
 
+    def _taken_over(self) -> dict | None:
+        holder = self.holder()
+        return None if holder is None or is_mine(holder) else holder
+
     def _beat(self) -> None:
         while not self.stop.wait(HEARTBEAT_S):
             with self.writing, contextlib.suppress(OSError):
-                holder = self.holder()
-                if holder is not None and not is_mine(holder):  # taken over while this job was paused
-                    self.lost = holder
+                if (lost := self._taken_over()) is not None:
+                    self.lost = lost
                     return
                 if not self.stop.is_set():
                     self._write()
@@ -156,29 +157,25 @@ class OutputLock:
         """JobFailed where another job took the folder over while this one was paused (as a suspended
         SLURM job is) past the stale time: read again only when the last beat is older than two beats."""
         if self.lost is None and time.monotonic() - self.beat_at > 2 * HEARTBEAT_S:
-            holder = self.holder()
-            self.lost = None if holder is None or is_mine(holder) else holder
+            self.lost = self._taken_over()
         if self.lost is not None:
             self.held = False  # the lock is the other job's now
             raise JobFailed(f"output_dir {self.path.parent} was taken over by another job ({describe(self.lost)}) "
                             "while this one was paused; this job stops and leaves the folder to it")
 
     def release(self) -> None:
-        """Remove the lock, if this process still holds it."""
         if not self.held:
             return
         self.held = False
         with self.writing:
             self.stop.set()
-            holder = self.holder()
-            if is_mine(holder):
+            if is_mine(self.holder()):
                 self.path.unlink(missing_ok=True)
 
 
 def check_shared(output_dir: str, env: DistEnv, wait_s: float = 10.0) -> None:
-    """A job of several nodes writes one run folder from all of them: rank 0 puts a file in output_dir
-    and every rank looks for it (listing the folder, which a network file system revalidates, for up
-    to `wait_s`); a rank that never sees it is one line on every rank (ConfigError)."""
+    """A job of several nodes writes one run folder from all of them: rank 0 puts a file there that every rank must see
+    within `wait_s` (listing the folder, which a network file system revalidates); else ConfigError on all ranks."""
     if env.num_nodes < 2:
         return
     token = torch.tensor(secrets.randbits(62) if env.is_main_process else 0, device=env.device)

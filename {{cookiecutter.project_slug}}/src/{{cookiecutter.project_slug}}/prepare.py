@@ -1,12 +1,13 @@
-"""Data preparation: the raw splits (sources.py) read and checked, tokenised (and packed), once,
-into data_cache_dir (data_cache.py), where every later run on the same data and settings finds it
-memory-mapped. Before a job (on a CPU node, say), with the training flags; docs/data.md tells the story:
+"""Data preparation: the raw splits (sources.py) read and checked, tokenised (and packed), once, into data_cache_dir
+(data_cache.py), where every later run on the same data and settings finds it memory-mapped. Before a job (on a CPU
+node, say), with the training flags; docs/data.md tells the story:
 
     python -m {{ cookiecutter.project_slug }}.prepare --config configs/train.yaml --dataset data/my_corpus
 """
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import re
@@ -36,9 +37,8 @@ _PARENT: int | None = None  # the preparing process, while it prepares (children
 
 
 def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig, work: Path) -> DatasetDict:
-    """input_ids per example, plus `label` for classification and the ASSISTANT mask for chat (the
-    tokenizer's chat template marks the assistant's tokens): truncated to max_seq_len, or whole
-    documents when they are to be packed. Written under `work`, `num_proc` processes at a time."""
+    """input_ids per example, plus `label` for classification and the ASSISTANT mask for chat (the tokenizer's chat
+    template marks the assistant's tokens): truncated to max_seq_len, or whole documents when they are to be packed."""
     keep = {"label"} if cfg.task == "sequence_classification" else set()
     num_proc = cfg.data_num_proc or (min(os.cpu_count() or 1, 8) if len(raw["train"]) >= 100_000 else 1)
 
@@ -59,10 +59,10 @@ def tokenize(raw: DatasetDict, tokenizer, cfg: TrainConfig, work: Path) -> Datas
 
 @contextlib.contextmanager
 def children_end_with_this_process():
-    """The processes forked within the block (tokenising workers, the pool's manager) end when this one
-    does, also on SIGKILL (Linux's parent-death signal, asked for in each child as it starts); they
-    leave Ctrl-C to this process and end quietly on the SIGTERM of the pool's clean-up."""
+    """The processes forked within the block (tokenising workers, the pool's manager) end with this one, also on SIGKILL
+    (a parent-death signal each child asks for); they leave Ctrl-C to it and end quietly on the pool's SIGTERM."""
     global _PARENT
+    _watch_forks()
     _PARENT = os.getpid()
     try:
         yield
@@ -83,14 +83,13 @@ def _end_with_parent() -> None:
         os._exit(1)
 
 
-os.register_at_fork(after_in_child=_end_with_parent)
+_watch_forks = functools.cache(lambda: os.register_at_fork(after_in_child=_end_with_parent))  # once: hooks stay
 
 
 def pack(documents, eos_id: int, block: int, path: Path):
-    """Join the documents in order into one stream, one EOS between them (a document that ends in
-    EOS gets none more), and cut it into blocks of `block` tokens; the remainder is dropped. The
-    blocks do not depend on how the stream was read (num_proc, chunks): one pass, with a carry. A
-    chat's ASSISTANT mask is cut alongside, 0 on an EOS put between two conversations."""
+    """Join the documents in order into one stream, one EOS between them (none more after a document ending in EOS),
+    and cut it into blocks of `block` tokens, dropping the remainder: one pass with a carry, so the blocks do not depend
+    on how the stream was read (num_proc, chunks). A chat's ASSISTANT mask is cut alongside, 0 on an added EOS."""
     names = [name for name in ("input_ids", ASSISTANT) if name in documents.column_names]
     schema = pa.schema([(name, pa.list_(pa.int32(), block)) for name in names])
     carry = [np.empty(0, dtype=np.int32)] * len(names)
@@ -135,8 +134,7 @@ def check_unknown(train, tokenizer, cfg: TrainConfig, source: Source) -> None:
 
 
 def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> None:
-    """Read, check, tokenise (and pack) the data into `folder`, atomically: a temporary folder
-    beside it is renamed once everything is written."""
+    """Read, check, tokenise (and pack) the data into `folder`, atomically: written beside it, renamed once whole."""
     started = time.monotonic()
     work = work_folder(folder, {"host": socket.gethostname(), "pid": os.getpid()})
     shutil.rmtree(work, ignore_errors=True)
@@ -177,8 +175,7 @@ def _prepare_into(folder: Path, source: Source, tokenizer, cfg: TrainConfig) -> 
         print(f"data: prepared {meta['examples']['train']:,} training and {meta['examples']['validation']:,} "
               f"validation {'blocks' if cfg.packing else 'examples'} in {meta['seconds']:.1f} s: {folder}", flush=True)
     except Exception as err:
-        full = disk_full(err)
-        if full is None:
+        if (full := disk_full(err)) is None:
             raise
         raise ConfigError(f"data_cache_dir {folder.parent} has no room to prepare {source.name} ({full.strerror}); "
                           "free space there, or give --data_cache_dir a folder on a disk with room") from None
@@ -198,12 +195,11 @@ def taken_over(folder: Path, lock: PreparationLock) -> None:
 
 
 def prepared_folder(cfg: TrainConfig, source: Source, tokenizer) -> Path:
-    """The prepared data's folder: found whole (a warm start reads nothing else, and checks the
-    folder's own checksums), or prepared here (again, with one line, where it is damaged), or
-    prepared by the process that holds the lock while this one waits."""
+    """The prepared data's folder: found whole (a warm start reads only it, checking its checksums), prepared here
+    (again, with one line, where it is damaged), or by the process that holds the lock while this one waits."""
     folder = cache_folder(cfg, source, tokenizer)
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.parent.resolve().mkdir(parents=True, exist_ok=True)  # a link to a folder not yet made: makes it
     except OSError as err:
         raise ConfigError(f"data_cache_dir {folder.parent} cannot be created ({err.strerror}); choose a folder "
                           "you can write to") from None
@@ -227,8 +223,7 @@ def prepared_folder(cfg: TrainConfig, source: Source, tokenizer) -> Path:
                 raise ConfigError(lock.error.read_text())  # what the process that prepared it found
             if lock.acquire():
                 try:
-                    problem = damage(folder)  # again, holding the lock: another process may have just prepared it
-                    if problem:
+                    if problem := damage(folder):  # again, holding the lock: another process may have just prepared it
                         print(f"data: the prepared data in {folder} is damaged ({problem}); preparing it again",
                               flush=True)
                         shutil.rmtree(folder)
@@ -272,8 +267,7 @@ class Prepared:
 
 
 def prepare(cfg: TrainConfig, tokenizer) -> Prepared:
-    """The tokenised (or packed) train and validation splits, every input check done: the cheap
-    ones here, the full-pass ones inside the one preparation."""
+    """The tokenised (or packed) splits, checked: the cheap checks here, the full-pass ones in the one preparation."""
     if cfg.max_seq_len <= (special := tokenizer.num_special_tokens_to_add()):  # no room for text beside them
         raise ConfigError(f"max_seq_len {cfg.max_seq_len} leaves no room for text: the tokenizer adds {special} "
                           f"special token(s) to each example; use max_seq_len >= {special + 1}")

@@ -69,7 +69,7 @@ class Session:
         goes through `accelerator` when given, `sync_counter` is DDP's GradSyncCounter (or a sharded model's)."""
         self.run, self.cfg, self.env, self.sync_counter = run, run.cfg, run.env, sync_counter
         self.stop_signal = ""  # the preemption signal any rank got (SIGTERM before SIGUSR1), as of the latest read
-        self.sampler = run.sampler()
+        self.sampler = run.sampler  # the run's one sampler: its plan is the current one
         self.retry = Retry(self)  # the windows, taken again after an out-of-memory error where auto_batch is baked
         self.noise = Noise(self)  # the gradient noise scale's running estimate (batch_schedule)
         self.job_steps = 0  # optimizer steps taken by this job (a resumed job starts again at 0)

@@ -1,7 +1,6 @@
-"""The raw data: where it is (a folder of train/validation files, a save_to_disk() folder or a hub
-name), reading it, and its checks: cheap ones up front (files exist, the first record has the task's
-columns), full-pass ones (every line parses, texts are strings, labels 0..K-1, conversations have
-known roles and an answer) in the one reading.
+"""The raw data: where it is (a folder of train/validation files, a save_to_disk() folder or a hub name), reading it,
+and its checks: cheap ones up front (files exist, the first record has the task's columns), full-pass ones (every line
+parses, texts are strings, labels 0..K-1, conversations have known roles and an answer) in the one reading.
 """
 
 import contextlib
@@ -26,8 +25,6 @@ from .errors import ConfigError, disk_full, first_line
 
 SPLITS = ("train", "validation")
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-# numbered shards of a split, read together in order: train.00.jsonl, train.01.jsonl, ... or the
-# hub's train-00000-of-00004.parquet, ...
 SHARD = re.compile(r"^(?P<split>[a-z]+)(?:\.(?P<n>\d+)|-(?P<i>\d+)-of-(?P<total>\d+))(?P<suffix>\.[a-z]+)$")
 ROLES = ("system", "user", "assistant")
 
@@ -61,8 +58,7 @@ def place(where: str, index: int) -> str:
 
 @dataclass(frozen=True)
 class Source:
-    """Where the raw data is: files of a folder (each split's, in reading order), a save_to_disk()
-    folder, or a hub name."""
+    """The raw data: a folder's files (each split's, in reading order), a save_to_disk() folder, or a hub name."""
 
     name: str
     files: dict[str, list[Path]] | None = None
@@ -74,9 +70,8 @@ def _shard_number(match: re.Match) -> int:
 
 
 def split_files(folder: Path, split: str) -> list[Path]:
-    """The files split `split` reads: `<split>.<ext>` alone, or numbered shards all together in
-    order (`<split>.00.jsonl`, `<split>.01.jsonl`, ... or `<split>-00000-of-00004.parquet`, ...,
-    numbered without gaps). Any other file named like the split makes the folder ambiguous."""
+    """The files split `split` reads: `<split>.<ext>` alone, or numbered shards together in order (`<split>.00.jsonl`,
+    ... or `<split>-00000-of-00004.parquet`, ..., without gaps); any other file named like the split is ambiguous."""
     named = (f"{split}.", f"{split}-")
     found = sorted(p for p in folder.iterdir() if p.suffix in BUILDERS and p.name.startswith(named))
     if [p.name for p in found] == [f"{split}{p.suffix}" for p in found[:1]]:
@@ -86,9 +81,8 @@ def split_files(folder: Path, split: str) -> list[Path]:
     if found and len(styles) == 1 and all(m and m["split"] == split for m in shards.values()):
         ordered = sorted(found, key=lambda p: _shard_number(shards[p]))
         numbers = [_shard_number(shards[p]) for p in ordered]
-        total = shards[ordered[0]]["total"]
-        first = 0 if total is not None else numbers[0]
-        expected = list(range(first, int(total) if total is not None else first + len(numbers)))
+        total = shards[ordered[0]]["total"]  # "-00000-of-00004" numbers from 0; ".00", ".01" from the first
+        expected = list(range(int(total)) if total is not None else range(numbers[0], numbers[0] + len(numbers)))
         if numbers == expected:
             return ordered
         twice = sorted({n for n in numbers if numbers.count(n) > 1})
@@ -146,7 +140,6 @@ def check_source(source: Source, task: str) -> None:
 
 
 def _check_first_record(path: Path, split: str, task: str) -> None:
-    """The file's first record (or header, or schema) has the task's columns."""
     if path.suffix == ".parquet":
         try:
             names = pq.read_schema(path).names
@@ -167,8 +160,7 @@ def _check_first_record(path: Path, split: str, task: str) -> None:
 
 
 def _check_columns(names: list[str], where: str, task: str) -> None:
-    missing = [c for c in columns_of(task) if c not in names]
-    if missing:
+    if missing := [c for c in columns_of(task) if c not in names]:
         raise ConfigError(f"{where} lacks column(s) {', '.join(missing)} needed by task {task} "
                           f"(it has {', '.join(map(str, names)) or 'none'})")
 
@@ -216,9 +208,8 @@ def quiet_datasets() -> Iterator[None]:
 
 
 def read_raw(source: Source, cache_dir: Path | None) -> dict[str, list[tuple[str, object]]]:
-    """The train and validation splits as Arrow tables (written under `cache_dir`), each as its
-    parts: (where it was read, its rows). A folder's files are read one by one, so each has its own
-    column types and its own error; `join` makes one table of each split."""
+    """The train and validation splits (Arrow tables under `cache_dir`), each as its parts: (where it was read, its
+    rows). A folder's files are read one by one, each with its own column types and error; `join` joins them."""
     cache = cache_dir and str(cache_dir)
     with quiet_datasets():
         if source.saved is not None:
@@ -238,7 +229,6 @@ def read_raw(source: Source, cache_dir: Path | None) -> dict[str, list[tuple[str
 
 
 def join(parts: dict[str, list[tuple[str, object]]]) -> DatasetDict:
-    """One table per split, its parts (shards) in order."""
     joined = {}
     for split, pieces in parts.items():
         try:
@@ -291,10 +281,7 @@ def _describe(value) -> str:
 
 def _first(split, column: str, bad) -> tuple[int, object]:
     """The first example whose `column` value is `bad(value)`: only run once a problem is known."""
-    for index, value in enumerate(split[column]):
-        if bad(value):
-            return index, value
-    return -1, None
+    return next(((index, value) for index, value in enumerate(split[column]) if bad(value)), (-1, None))
 
 
 def _check_texts(data, where: str, split: str, task: str) -> None:
@@ -308,14 +295,12 @@ def _check_texts(data, where: str, split: str, task: str) -> None:
             if problem := chat_problem(messages):
                 raise ConfigError(f"dataset {where} {place(where, index)}: {problem}")
         return
-    if _value_type(data.features["text"]) not in ("string", "large_string"):
+    column = data.data.column("text")
+    if _value_type(data.features["text"]) not in ("string", "large_string") or column.null_count:
         index, value = _first(data, "text", lambda v: not isinstance(v, str))
         raise ConfigError(f"dataset {where} example {index + 1} has text {_describe(value)}: every text must be a "
                           "string")
-    if data.data.column("text").null_count:
-        index = pc.index(pc.is_null(data.data.column("text")), True).as_py()
-        raise ConfigError(f"dataset {where} example {index + 1} has text null: every text must be a string")
-    _check_utf8(data.data.column("text"), where)
+    _check_utf8(column, where)
 
 
 def _check_utf8(column, where: str) -> None:
@@ -349,28 +334,25 @@ def _labels_of(data, where: str) -> set[int]:
 
 
 def validate(parts: dict[str, list[tuple[str, object]]], source: Source, task: str) -> int:
-    """Every check that needs the whole data, part by part (each file names itself); returns the
-    number of labels (classification) or 0."""
-    where = {split: pieces[0][0] if len(pieces) == 1 else f"{source.name} split {split} ({len(pieces)} shards)"
-             for split, pieces in parts.items()}
+    """Every check that needs the whole data, part by part (each file names itself); the number of labels, or 0."""
     for split in SPLITS:
         for part, data in parts[split]:
             _check_texts(data, part, split, task)
     if task != "sequence_classification":
         return 0
+    train = parts["train"]
+    where = train[0][0] if len(train) == 1 else f"{source.name} split train ({len(train)} shards)"
     labels = {split: set().union(*(_labels_of(data, part) for part, data in parts[split])) for split in SPLITS}
     classes = max(labels["train"]) + 1
     if classes < 2:
-        raise ConfigError(f"dataset {where['train']}: every training label is 0, one class; classification needs "
+        raise ConfigError(f"dataset {where}: every training label is 0, one class; classification needs "
                           "at least two (labels 0 and 1), or train task causal_lm")
-    missing = sorted(set(range(classes)) - labels["train"])
-    if missing:
+    if missing := sorted(set(range(classes)) - labels["train"]):
         shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
-        raise ConfigError(f"dataset {where['train']}: training labels must be 0..{classes - 1} with every class "
+        raise ConfigError(f"dataset {where}: training labels must be 0..{classes - 1} with every class "
                           f"present, but {len(missing)} of them have no example ({shown}); number the classes 0..K-1")
     for part, data in parts["validation"]:
-        unknown = sorted(set(pc.unique(data.data.column("label")).to_pylist()) - labels["train"])
-        if unknown:
+        if unknown := sorted(set(pc.unique(data.data.column("label")).to_pylist()) - labels["train"]):
             index = pc.index(data.data.column("label"), unknown[0]).as_py()
             raise ConfigError(f"dataset {part} example {index + 1} has label {unknown[0]}, "
                               f"which no training example has (training labels are 0..{classes - 1})")

@@ -3,7 +3,8 @@ up-front check a user's mistake can fail, then reads the resume point, the data,
 """
 
 import os
-from dataclasses import dataclass, replace
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import transformers
@@ -33,12 +34,13 @@ auto_plan = plug("auto_batch", "memory:auto_plan")
 
 @dataclass(frozen=True)
 class Run:
-    """What this job is, fixed from start-up to the end (but the micro batch: session.py holds the current plan)."""
+    """What this job is, decided at start-up; `sampler` (auto_batch may lower its plan) and `preemption` live on."""
 
     cfg: TrainConfig
     env: DistEnv
     launch: Launch
     plan: BatchPlan  # the plan the job starts with
+    sampler: WindowSampler  # this rank's windows, built once (Session and total_steps use this one)
     resume: Path | None  # the checkpoint this job continues from
     start_step: int  # optimizer steps done before this job
     total_steps: int
@@ -51,11 +53,6 @@ class Run:
     peak_flops: float  # the device's peak FLOP/s; 0 where unknown (no mfu)
     recorded: dict  # the resumed checkpoint's state ({} for a fresh run): what the extras continue from
     preemption: PreemptionSignal  # SIGUSR1 and SIGTERM, listened for from start-up on
-
-    def sampler(self) -> WindowSampler:
-        """A sampler of this run's windows on this rank, under the starting plan."""
-        return Sampler(len(self.data["train"]), self.plan, self.env.rank, self.cfg.seed,
-                       min_rows=2 if self.cfg.compile else 1)
 
     def announce(self, model, sampler: WindowSampler) -> None:
         """The run's banner (rank 0): what trains on what data, the speed levers, the batch plan."""
@@ -95,8 +92,9 @@ def start(cfg: TrainConfig, entry: str) -> Run:
     listened for from the first line (SIGUSR1 while the data is prepared stops the run at its first step)."""
     preemption = PreemptionSignal()
     env = dist_env()
-    # never needed: a "Writing model shards" bar per save, and on CPU DeepSpeed's warning that it found no GPU
+    # never needed: a "Writing model shards" bar per save, DeepSpeed's no-GPU warning, a DDP deprecation notice
     transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
     if env.device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     launch = launch_of(cfg, entry)
@@ -155,7 +153,9 @@ def _start(cfg: TrainConfig, env: DistEnv, launch: Launch, schedule: tuple, resu
     check_launcher_env(plan)
     ds_config = deepspeed_config(cfg, plan, launch.deepspeed_path) if launch.on_accelerate else None
     set_tf32(cfg, env.device)
-    run = Run(cfg, env, launch, scheduled(plan, schedule), resume, int(state["step"]) if state else 0, 0, tokenizer,
-              config, data, prepared.folder, prepared.fingerprint, ds_config, peak_flops(cfg, env.device),
-              state or {}, preemption)
-    return replace(run, total_steps=total_steps(cfg, run.sampler()))
+    sampler = Sampler(len(data["train"]), scheduled(plan, schedule), env.rank, cfg.seed, 2 if cfg.compile else 1)
+    return Run(cfg=cfg, env=env, launch=launch, plan=sampler.plan, sampler=sampler, resume=resume,
+               start_step=int(state["step"]) if state else 0, total_steps=total_steps(cfg, sampler),
+               tokenizer=tokenizer, model_config=config, data=data, data_folder=prepared.folder,
+               data_fingerprint=prepared.fingerprint, deepspeed=ds_config, peak_flops=peak_flops(cfg, env.device),
+               recorded=state or {}, preemption=preemption)

@@ -25,7 +25,6 @@ def said_by_the_line(record: logging.LogRecord) -> bool:
 
 
 def rendezvous_failure(error: rendezvous.RendezvousError, endpoint: str, nnodes: str) -> str:
-    """What a rendezvous error means for the job, in one line."""
     if isinstance(error, rendezvous.RendezvousConnectionError):
         what = f"lost the rendezvous at {endpoint}: the node that holds it stopped or cannot be reached"
     elif isinstance(error, rendezvous.RendezvousTimeoutError):

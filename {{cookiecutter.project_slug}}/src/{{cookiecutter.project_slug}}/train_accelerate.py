@@ -48,6 +48,7 @@ def train_step(accelerator: Accelerator, model, window: Window, optimizer, lr_sc
     accelerator.step = k - len(micro_batches)  # the window's last micro-step is the one that syncs
     lr = optimizer.param_groups[0]["lr"]  # the lr this step applies (DeepSpeed steps inside backward)
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    values, skipped = None, False  # set at the last micro-step: there sync_gradients is True (accelerator.step)
     for micro_step, micro_batch in enumerate(micro_batches):
         is_last = micro_step == len(micro_batches) - 1
         if is_last and not session.window_fits():  # micro_batch_size auto: out of memory on some rank
@@ -76,6 +77,7 @@ def train_step(accelerator: Accelerator, model, window: Window, optimizer, lr_sc
                 if not skipped:
                     lr_scheduler.step()  # fp16: a step skipped for overflow leaves the schedule
             optimizer.zero_grad()
+    assert values is not None, "the window's last micro-step syncs"
     if accelerator.mixed_precision == "fp16" or skipped:
         values["step_skipped"] = skipped
     return values

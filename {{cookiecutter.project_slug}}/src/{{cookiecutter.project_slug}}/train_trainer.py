@@ -31,8 +31,8 @@ from .trainer_adapters import RunRecorder, WindowLoss, WindowTrainer, compute_me
 
 
 def training_arguments(cfg: TrainConfig, run: Run) -> TrainingArguments:
-    """Our config as TrainingArguments: the only place the Trainer is configured. Its checkpoints (`checkpoint-<N>`)
-    go under checkpoints/, and RunRecorder publishes each one atomically as step_<N>, as the other loops do."""
+    """Our config as TrainingArguments; trainer_adapters.py replaces the defaults these cannot set. Checkpoints
+    (`checkpoint-<N>`) go under checkpoints/; RunRecorder publishes each atomically as step_<N> (as loops 1, 2)."""
     return TrainingArguments(
         output_dir=str(checkpoints_dir(cfg.output_dir)),
         per_device_train_batch_size=run.plan.micro_batch_size,

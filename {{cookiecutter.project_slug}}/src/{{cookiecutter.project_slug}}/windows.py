@@ -1,6 +1,6 @@
-"""Batch maths and accumulation windows: global_batch_size = micro_batch_size x grad_accum_steps x world_size,
-grad_accum_steps derived from the real world size at start-up (BatchPlan); the examples each optimizer step takes
-on this rank (WindowSampler) and a step's facts as one value (Window). docs/data.md gives the data order.
+"""Batch maths and accumulation windows. BatchPlan: global_batch_size = micro_batch_size x grad_accum_steps x
+world_size, from the real world size at start-up. WindowSampler: the examples each optimizer step takes on this rank
+(docs/data.md gives the order). Window: a step's facts as one value. finite(): whether a step's values are finite.
 """
 
 import math

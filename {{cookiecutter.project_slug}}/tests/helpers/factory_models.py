@@ -1,5 +1,5 @@
 """Models of a team's own for test_model_factory.py, built through `model_factory` as
-`factory_models:<function>` (the tests put this folder on PYTHONPATH): plain torch modules, no
+`helpers.factory_models:<function>` (the tests put tests/ on PYTHONPATH): plain torch modules, no
 Hugging Face class, and the mistakes a factory can make.
 """
 
