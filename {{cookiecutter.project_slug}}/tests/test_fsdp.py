@@ -305,6 +305,7 @@ train_pytorch.main()
 """
 
 
+@pytest.mark.slow
 def test_background_saves_copy_into_the_host_buffers_of_the_first(runs, tmp_path):
     """One stager for the run: step 8's save copies into step 4's host buffers, and what it writes is
     step 8's state (the final weights); the training is bitwise that of a run without them."""

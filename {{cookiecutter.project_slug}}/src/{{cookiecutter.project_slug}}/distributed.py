@@ -93,8 +93,7 @@ def dist_env() -> DistEnv:
                               "process per GPU (--nproc_per_node), or share them with DIST_BACKEND=gloo")
         device = torch.device("cuda", local_rank % gpus)
     env = DistEnv(rank, local_rank, world_size, local_world_size, device)
-    # the back end's interfaces, and gloo's under nccl too (background checkpoints write through a gloo group):
-    # GLOO_SOCKET_IFNAME names, each used; NCCL's prefixes (=: names, ^: left out), any
+    # GLOO_SOCKET_IFNAME: names, each used (under nccl too: checkpoints' gloo group); NCCL's: prefixes (=: names), any
     for backend in dict.fromkeys((env.backend, "gloo")):
         value = os.environ.get(name := f"{backend.upper()}_SOCKET_IFNAME", "") if several else ""
         have, whole = [interface for _, interface in socket.if_nameindex()], backend == "gloo" or value[:1] == "="
