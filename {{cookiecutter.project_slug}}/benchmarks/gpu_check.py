@@ -13,7 +13,7 @@ Each section's result goes to bench/gpu_check.json the moment it is measured (a 
 keeps it); bench/gpu_check.md at the end. Each section has a budget of seconds (BUDGET_S, 7 min 15 s
 in all; the model and corpus take the rest): a run is stopped when its section's budget is spent,
 the section keeps what it measured, and the output says which section stopped. Compiled runs share
-one compile cache (bench/compile_cache), so only the first compiles cold, on the first run ever.
+one compile cache (bench/compile_cache) that outlives the check: a graph compiled before is read back.
 Without a GPU it says so in one line and exits 0; `--device cpu` runs every section on the CPU
 as a self-test of the check itself (the tiny model, 64 tokens, fp32, compile off, a memory budget
 standing in for an out-of-memory error; about a minute). What stays exact on GPUs and what does
