@@ -31,7 +31,7 @@ EXTRA_FILES = {
     "benchmarks": ["benchmarks/__main__.py", "benchmarks/abab.py", "benchmarks/checkpointing.py",
                    "benchmarks/communication.py", "benchmarks/data.py", "benchmarks/harness.py",
                    "benchmarks/library_loops.py", "benchmarks/loss_curves.py", "benchmarks/memory.py",
-                   "benchmarks/overhead.py", "benchmarks/startup.py", "tests/test_benchmarks.py"],
+                   "benchmarks/memory_plan.py", "benchmarks/overhead.py", "benchmarks/startup.py", "tests/test_benchmarks.py"],
     "peft": ["{pkg}/lora.py", "tests/test_lora.py"],
     "sweeps": ["{pkg}/sweep.py", "configs/sweeps", "scripts/sweep_local.sh", "scripts/slurm/sweep.sbatch",
                "tests/test_sweep.py"],

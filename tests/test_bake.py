@@ -43,7 +43,7 @@ EXTRA_EXPECTED = {
     "safe_checkpoints": {"{pkg}/checkpoint_checks.py", "tests/test_safe_checkpoints.py"},
     "benchmarks": {"tests/test_benchmarks.py", *(f"benchmarks/{m}.py" for m in (
         "__main__", "abab", "checkpointing", "communication", "data", "harness", "library_loops", "loss_curves",
-        "memory", "overhead", "startup"))},
+        "memory", "memory_plan", "overhead", "startup"))},
     "peft": {"{pkg}/lora.py", "tests/test_lora.py"},
     "sweeps": {"{pkg}/sweep.py", "configs/sweeps/lr.yaml", "scripts/sweep_local.sh", "tests/test_sweep.py"},
 }

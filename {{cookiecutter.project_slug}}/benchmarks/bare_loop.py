@@ -1,9 +1,9 @@
 """The anchor of the GPU check: a training loop written the way karpathy/nanoGPT's train.py writes
 its own, on the project's model, data windows and optimizer settings, and nothing else: TF32 (set
-by startup.start), fused AdamW, bf16 autocast, torch.compile, accumulation with the loss divided by
-the micro-steps, clipping, one step per window; one process. It
-logs nothing but `metrics.jsonl` with the step, its real tokens and `elapsed_s`, so its tokens per
-second and MFU compare one to one with the entry points'.
+by startup.start), fused AdamW, bf16 autocast, torch.compile with the entry points' arguments,
+accumulation with the loss divided by the micro-steps, clipping, one step per window; one process.
+It logs nothing but `metrics.jsonl` with the step, its real tokens and `elapsed_s`, so its tokens
+per second and MFU compare one to one with the entry points'.
 
     python -m benchmarks.bare_loop --max_steps 40 --output_dir runs/bare --compile true   # any training flag
 """
@@ -20,6 +20,7 @@ from {{ cookiecutter.project_slug }}.config import TrainConfig
 from {{ cookiecutter.project_slug }}.model import autocast_for, build_model, count_targets, summed_loss
 from {{ cookiecutter.project_slug }}.optim import build_optimizer, build_scheduler
 from {{ cookiecutter.project_slug }}.session import Session
+from {{ cookiecutter.project_slug }}.speed import COMPILE
 from {{ cookiecutter.project_slug }}.startup import start
 
 
@@ -29,7 +30,7 @@ def train(cfg: TrainConfig) -> None:
     model = build_model(cfg, run.model_config).to(device)
     optimizer = build_optimizer(model, cfg, device)  # fused AdamW on CUDA
     lr_scheduler = build_scheduler(optimizer, cfg, run.total_steps, run.plan)
-    forward = torch.compile(model) if cfg.compile else model
+    forward = torch.compile(model, **COMPILE) if cfg.compile else model  # the entry points' dynamic shapes
     ctx = autocast_for(cfg, device)  # bf16 autocast (nanoGPT's ctx), or none in fp32
     session = Session(run, model)
     train_loader, _ = session.loaders()

@@ -27,7 +27,7 @@ from {{ cookiecutter.project_slug }}.distributed import barrier, cleanup, init_d
 from {{ cookiecutter.project_slug }}.memory import worst_case_batch
 from {{ cookiecutter.project_slug }}.model import build_model, load_tokenizer, model_config
 from {{ cookiecutter.project_slug }}.optim import build_optimizer
-from {{ cookiecutter.project_slug }}.sharding import save_sharded, shard
+from {{ cookiecutter.project_slug }}.sharding import host_stager, save_sharded, shard
 
 from .common import free_port, parser, prepare_model, train_flags
 from .harness import clock, lacks_gpus, optimizer_step, print_table, save_results, spawned_process
@@ -43,7 +43,7 @@ def worker(rank: int, port: int, flags: list[str], pairs: int, folder: str, out:
     cfg = replace(load_config(flags), fsdp="full_shard")
     config = model_config(cfg, load_tokenizer(cfg))
     init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s)
-    background = dist.new_group(backend="gloo")
+    background, stager = dist.new_group(backend="gloo"), host_stager()  # as a training run keeps them
     model = shard(build_model(cfg, config).to(env.device), cfg, env)
     optimizer = build_optimizer(model, cfg, env.device)
     micro_batch = max(cfg.global_batch_size // (WORLD_SIZE * ACCUM), 1)
@@ -63,7 +63,7 @@ def worker(rank: int, port: int, flags: list[str], pairs: int, folder: str, out:
         sync_blocking = time.perf_counter() - start
         barrier()
         start = time.perf_counter()
-        written = save_sharded(model, optimizer, Path(folder) / f"async_{i}", background)
+        written = save_sharded(model, optimizer, Path(folder) / f"async_{i}", background, stager)
         async_blocking = time.perf_counter() - start
         in_flight = step()
         written.result()

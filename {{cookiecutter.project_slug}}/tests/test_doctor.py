@@ -69,7 +69,8 @@ def test_two_processes_that_agree_print_one_table_and_a_checked_all_reduce(env):
     summary = lines[header + 3]
     bandwidth = float(re.fullmatch(r"all-reduce: 4 MiB float32 on 2 ranks, the exact sum on every rank, median of 5 "
                                    r"[\d.]+ ms \(slowest rank\), bus bandwidth ([\d.]+) GB/s", summary)[1])
-    assert bandwidth > 0 and len(lines) == header + 4, proc.stdout
+    assert lines[header + 4] == "gloo group (background checkpoints): connected, the exact sum on every rank"
+    assert bandwidth > 0 and len(lines) == header + 5, proc.stdout
     report(f"doctor, 2 processes: bus bandwidth {bandwidth:.2f} GB/s, {seconds:.1f} s from launch to exit")
 
 
@@ -145,9 +146,10 @@ def test_the_doctor_of_a_world_size_that_training_refuses_is_one_line_and_exit_2
     one_error_line(proc, f"error: {PLAN}")
 
 
-def test_an_interface_the_host_lacks_is_the_doctors_one_line_and_exit_2(env):
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])  # nccl: the gloo group of background checkpoints
+def test_an_interface_the_host_lacks_is_the_doctors_one_line_and_exit_2(env, backend):
     """Rank 0 of 2, alone: GLOO_SOCKET_IFNAME misspelt is said before it waits for anyone."""
-    variables = {"GLOO_SOCKET_IFNAME": "eht9", "DIST_BACKEND": "gloo"}
+    variables = {"GLOO_SOCKET_IFNAME": "eht9", "DIST_BACKEND": backend}
     proc = subprocess.run([sys.executable, "-m", f"{SLUG}.doctor"], cwd=ROOT, capture_output=True, text=True,
                           env={**rank_env(env, 0, 2, free_port()), **variables}, timeout=TIMEOUT_S)
     one_error_line(proc, f"error: GLOO_SOCKET_IFNAME=eht9 names 'eht9', which host {HOST} lacks; it has "

@@ -15,6 +15,7 @@ import subprocess
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -41,6 +42,7 @@ from conftest import (
     SLUG,
     TASK,
     TOL,
+    Run,
     assert_same_training,
     cell,
     error_lines,
@@ -288,6 +290,48 @@ def test_a_job_killed_after_an_asynchronous_checkpoint_was_written_resumes_from_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming after step 4 from {out / 'checkpoints' / 'step_4'}" in resumed.stdout
     assert_same_training(resumed, fsdp_run(runs, "full_shard", "micro_step"))
+
+
+# train_pytorch with DCP's host copy recorded: for each background save, the stager and the host
+# buffers it copied the state into (the data pointers of every tensor it staged), as JSON per rank
+STAGING_RECORDED = f"""import json, os
+import torch
+from torch.distributed.checkpoint import staging
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
+from {SLUG} import train_pytorch
+stage, saves = staging.DefaultStager.stage, []
+
+def recorded(self, state_dict, **kwargs):
+    staged = stage(self, state_dict, **kwargs)
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tree_leaves(staged) if isinstance(t, torch.Tensor)]
+    saves.append(dict(stager=id(self), buffers=[t.untyped_storage().data_ptr() for t in local]))
+    with open(os.path.join(os.environ["OUTPUT_DIR"], "staged_" + os.environ["RANK"] + ".json"), "w") as f:
+        json.dump(saves, f)
+    return staged
+
+staging.DefaultStager.stage = recorded
+train_pytorch.main()
+"""
+
+
+@pytest.mark.slow
+def test_background_saves_copy_into_the_host_buffers_of_the_first(runs, tmp_path):
+    """One stager for the run: step 8's save copies into step 4's host buffers, and what it writes is
+    step 8's state (the final weights); the training is bitwise that of a run without them."""
+    flags, out = {**ACCUM, "fsdp": "full_shard", "async_checkpoint": "true", "save_steps": 4}, tmp_path / "out"
+    proc = wrapped_run(STAGING_RECORDED, flags, out, {**runs.env, "OUTPUT_DIR": str(out)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        first, second = json.loads((out / f"staged_{rank}.json").read_text())
+        assert first["stager"] == second["stager"]
+        assert first["buffers"] == second["buffers"] and all(first["buffers"])
+    final = load_file(out / "final_model" / "model.safetensors")
+    staged = {"model": {name: torch.empty_like(value) for name, value in final.items()}}
+    dcp.load(staged, checkpoint_id=out / "checkpoints" / "step_8" / "dcp", no_dist=True)
+    assert all(torch.equal(staged["model"][name], value) for name, value in final.items())
+    background = Run(proc.returncode, proc.stdout, proc.stderr, out)
+    assert_same_training(background, fsdp_run(runs, "full_shard", "micro_step"))
 
 
 # train_pytorch with DCP's writes wrapped: from step 4's checkpoint on no file may grow past 100 kB

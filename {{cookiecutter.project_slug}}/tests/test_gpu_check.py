@@ -1,6 +1,7 @@
 """The GPU check (`python -m benchmarks.gpu_check`, `make gpu-check`), in every bake: without a GPU
 it says so in one line; `--device cpu`, its self-test, runs every section on the tiny model and
-writes each section's result the moment it is measured."""
+writes each section's result the moment it is measured; a section whose budget is spent stops its run and
+says so."""
 
 import json
 import re
@@ -11,6 +12,7 @@ import time
 import pytest
 import torch
 
+from benchmarks import gpu_check
 from benchmarks.common import entry_points
 from {{ cookiecutter.project_slug }}.extras import BAKED
 
@@ -67,3 +69,18 @@ def test_the_gpu_checks_cpu_self_test_runs_every_section_and_writes_each_as_it_i
     auto = result.get("auto_micro_batch", "no auto_batch")
     report(f"gpu_check --device cpu: {speeds}; {auto}; 2 ranks: max |param diff| "
            f"{parity['max_param_diff']:.3g}")
+
+
+def test_a_section_whose_budget_is_spent_stops_its_run_keeps_its_rows_and_says_so(tmp_path):
+    budget = gpu_check.Budget("speed", 2)
+    start = time.monotonic()
+    with pytest.raises(gpu_check.BudgetSpent, match=r"^speed: stopped, its budget of 2 s is spent$"):
+        gpu_check.run("benchmarks.bare_loop", {"max_steps": 10_000}, tmp_path / "bare", budget)  # killed at 2 s
+    assert time.monotonic() - start < 10
+    rows = [{"loop": "bare", "compile": False, "tokens_per_s": 100, "mfu": None},
+            {"loop": "pytorch", "compile": False, "tokens_per_s": 90, "mfu": None},
+            {"loop": "pytorch", "compile": True, "tokens_per_s": 120, "mfu": None}]  # the compiled bare loop: stopped
+    assert [r["vs_bare"] for r in gpu_check.with_vs_bare(rows)] == [1.0, 0.9, None]
+    text = gpu_check.markdown({"machine": {}, "speed": rows, "two_ranks_on_one_gpu": None,
+                               "stopped": ["speed: stopped, its budget of 2 s is spent"]})
+    assert "| pytorch | on | 120 | - | - |" in text and text.endswith("\nspeed: stopped, its budget of 2 s is spent\n")

@@ -271,6 +271,7 @@ INTERFACES = [
     ({"DIST_BACKEND": "nccl", "NCCL_SOCKET_IFNAME": "l,eht9"}, None),  # a prefix of lo: NCCL uses any that matches
     ({"DIST_BACKEND": "nccl", "NCCL_SOCKET_IFNAME": "^eht9"}, None),  # the interfaces NCCL leaves out
     ({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "eht9"}, None),  # gloo's job: NCCL's variable is not read
+    ({"DIST_BACKEND": "nccl", "GLOO_SOCKET_IFNAME": "eht9"}, "GLOO_SOCKET_IFNAME=eht9 names 'eht9', which host "),
 ]
 BACK_END = {"DIST_BACKEND": "gloo"}  # where no case names one (on GPUs too)
 

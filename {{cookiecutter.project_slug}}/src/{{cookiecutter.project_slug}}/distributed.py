@@ -93,13 +93,14 @@ def dist_env() -> DistEnv:
                               "process per GPU (--nproc_per_node), or share them with DIST_BACKEND=gloo")
         device = torch.device("cuda", local_rank % gpus)
     env = DistEnv(rank, local_rank, world_size, local_world_size, device)
-    # the back end's interfaces: GLOO_SOCKET_IFNAME names, each used; NCCL's prefixes (=: names, ^: left out), any
-    value = os.environ.get(name := f"{env.backend.upper()}_SOCKET_IFNAME", "") if several else ""
-    have, whole = [interface for _, interface in socket.if_nameindex()], env.backend == "gloo" or value[:1] == "="
-    lacks = [w for w in value.lstrip("=").split(",") if not any(h == w if whole else h.startswith(w) for h in have)]
-    if value[:1] not in ("", "^") and (lacks if env.backend == "gloo" else len(lacks) > value.count(",")):
-        raise ConfigError(f"{name}={value} names {', '.join(map(repr, lacks))}, which host {socket.gethostname()} "
-                          f"lacks; it has {', '.join(have)}: name one of them, or unset {name}")
+    # GLOO_SOCKET_IFNAME: names, each used (under nccl too: checkpoints' gloo group); NCCL's: prefixes (=: names), any
+    for backend in dict.fromkeys((env.backend, "gloo")):
+        value = os.environ.get(name := f"{backend.upper()}_SOCKET_IFNAME", "") if several else ""
+        have, whole = [interface for _, interface in socket.if_nameindex()], backend == "gloo" or value[:1] == "="
+        lacks = [w for w in value.lstrip("=").split(",") if not any(h == w if whole else h.startswith(w) for h in have)]
+        if value[:1] not in ("", "^") and (lacks if backend == "gloo" else len(lacks) > value.count(",")):
+            raise ConfigError(f"{name}={value} names {', '.join(map(repr, lacks))}, which host {socket.gethostname()} "
+                              f"lacks; it has {', '.join(have)}: name one of them, or unset {name}")
     return env
 
 

@@ -1,6 +1,7 @@
 """Whether the processes of a job can train together, checked before it trains. Launched exactly
 like training, it joins the process group, prints one table of every rank's host, device, network
-interface, rendezvous address, library versions and free memory, and times a checked all-reduce.
+interface, rendezvous address, library versions and free memory, and times a checked all-reduce
+(and checks one on a gloo group of its own, as background checkpoints write through).
 
     make doctor                                       # 2 processes on this machine (every GPU)
     ENTRY=doctor scripts/train_local.sh               # any launch script: the doctor, not training
@@ -127,6 +128,16 @@ def timed_all_reduce(env: DistEnv) -> tuple[float, float | None]:
     return statistics.median(seconds[1:]), wrong
 
 
+def gloo_group_sum(env: DistEnv) -> float | None:
+    """One all-reduce of rank + 1 on a new gloo group, as a background checkpoint writes through (under nccl
+    too: it connects through GLOO_SOCKET_IFNAME's interface, not NCCL's); the wrong value received, or None."""
+    group = dist.new_group(backend="gloo")
+    tensor = torch.tensor([env.rank + 1.0])
+    dist.all_reduce(tensor, group=group)
+    dist.destroy_process_group(group)
+    return None if tensor.item() == rank_sum(env.world_size) else tensor.item()
+
+
 def wrong_sum(rows: list[dict[str, str]], results: list[tuple[float, float | None]]) -> str | None:
     """The first rank that received a wrong all-reduce result, in one line."""
     bad = next((rank for rank, (_, value) in enumerate(results) if value is not None), None)
@@ -187,7 +198,7 @@ def doctor(cfg: TrainConfig) -> int | None:
     problem = differences(rows)
     if not problem:
         results = gathered(timed_all_reduce(env))
-        problem = wrong_sum(rows, results)
+        problem = wrong_sum(rows, results) or wrong_sum(rows, [(0, value) for value in gathered(gloo_group_sum(env))])
     if problem:  # every rank knows it; rank 0 says it in one line (run_cli), and all exit with 2
         if env.is_main_process:
             raise JobFailed(problem, exit_code=2, agreed=True)
@@ -198,6 +209,7 @@ def doctor(cfg: TrainConfig) -> int | None:
     print0(table(rows))
     print0(f"all-reduce: {ALL_REDUCE_MIB} MiB float32 on {n} rank{'s' if n > 1 else ''}, the exact sum on every "
            f"rank, median of {REPEATS} {slowest * 1e3:.2f} ms (slowest rank), bus bandwidth {bandwidth:.2f} GB/s")
+    print0("gloo group (background checkpoints): connected, the exact sum on every rank")
 
 
 def main() -> None:

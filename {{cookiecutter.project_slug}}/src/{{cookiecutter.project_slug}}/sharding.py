@@ -18,13 +18,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -173,10 +174,14 @@ class Sharded:
         self.env = env
         self.background = dist.new_group(backend="gloo") if cfg.async_checkpoint else None  # save_sharded's
 
+    @cached_property
+    def stager(self) -> DefaultStager:
+        return host_stager()  # one for the run
+
     def save(self, optimizer, folder: Path, training: dict) -> Future | None:
         """Each rank writes its shards (in the background: their Future, published once written);
         rank 0 the rest of the training state."""
-        written = save_sharded(self.model, optimizer, folder, self.background)
+        written = save_sharded(self.model, optimizer, folder, self.background, self.stager if self.background else None)
         if self.env.is_main_process:
             torch.save(training, folder / "training_state.pt")
         return written
@@ -293,17 +298,26 @@ def training_state(model: torch.nn.Module, optimizer) -> dict:
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
-def save_sharded(model: torch.nn.Module, optimizer, folder: Path, background=None):
+def host_stager() -> DefaultStager:
+    """What copies a background save's state to host memory. Keep one for the run: every save then copies
+    into the host buffers of the first (pinned on GPUs) instead of allocating new ones."""
+    on_gpu = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=on_gpu))
+
+
+def save_sharded(model: torch.nn.Module, optimizer, folder: Path, background=None, stager=None):
     """Each rank writes its shards of the model and optimizer into `folder`. With `background` (a
     gloo group of its own: on the training group the writer's collectives would interleave with
-    training's and hang) the state is copied to host memory, written by a thread while training
-    goes on, and its Future returned."""
+    training's and hang) the state is copied to host memory by `stager` (into the buffers of its
+    last save, which the caller has waited for), written by a thread while training goes on, and its
+    Future returned."""
     state = training_state(model, optimizer)
     try:
         if background is None:
             dcp.save(state, checkpoint_id=folder / DCP_DIR)
             return None
-        return dcp.async_save(state, checkpoint_id=folder / DCP_DIR, process_group=background)
+        return dcp.async_save(state, checkpoint_id=folder / DCP_DIR, process_group=background, async_stager=stager)
     except dcp.CheckpointException as err:  # a full disk on some rank: checkpoint._attempt's one line
         raise failure(err) from None
 
