@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from {{ cookiecutter.project_slug }}.config import load_config
 from {{ cookiecutter.project_slug }}.extras import BAKED
+from {{ cookiecutter.project_slug }}.launch import launch_of
 from {{ cookiecutter.project_slug }}.session import Session
 
 from conftest import (
@@ -268,7 +269,8 @@ def test_an_eval_every_beyond_the_run_is_due_at_its_end(tmp_path):
     for eval_every, total_steps, due in [(100, 3, [3]), (2, 5, [2, 4]), (3, 3, [3])]:
         cfg.eval_every = eval_every
         run = SimpleNamespace(total_steps=total_steps, plan=SimpleNamespace(micro_batch_size=2, grad_accum_steps=1),
-                              deepspeed=None, env=SimpleNamespace(device=torch.device("cpu")))
+                              deepspeed=None, env=SimpleNamespace(device=torch.device("cpu")),
+                              launch=launch_of(cfg, "trainer"))
         session = SimpleNamespace(cfg=cfg, run=run)
         windows = [SimpleNamespace(step=step, ends_epoch=False) for step in range(1, total_steps + 1)]
         assert [w.step for w in windows if Session.eval_due(session, w)] == due
