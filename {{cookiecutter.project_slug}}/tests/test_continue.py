@@ -111,7 +111,8 @@ CHANGED = {"global_batch_size": 32, "seed": 7, "task": "sequence_classification"
            "max_seq_len": 32, "optimizer": "sgd", "learning_rate": 0.01, "min_lr_ratio": 0.1,
            "lr_scheduler_type": "cosine", "warmup_steps": 1, "weight_decay": 0.5, "max_grad_norm": 0.5,
            "mixed_precision": "fp16", "packing": "true", "global_batch_size_schedule": "0:16,2:32",
-           "lr_batch_scaling": "sqrt", "model_factory": "helpers.factory_models:gru"}
+           "lr_batch_scaling": "sqrt", "model_factory": "helpers.factory_models:gru", "lora_r": 4, "lora_alpha": 8,
+           "lora_dropout": 0.1, "lora_target_modules": "q_proj"}
 MAY_CHANGE = {"micro_batch_size": 2, "eval_every": 1, "save_steps": 3, "save_total_limit": 1, "stop_after_steps": 1,
               "report_to": "wandb", "wandb_project": "other", "ddp_bucket_cap_mb": 1, "memory_budget_mb": 5,
               "collective_timeout_s": 60, "gradient_checkpointing": "true"}

@@ -161,7 +161,11 @@ class Sharded:
         # not the model's init) and a model whose weights are not in local safetensors files (a hub name,
         # .bin files): built whole, as the unsharded start
         on_meta = files is not None and not cfg.model_factory and not getattr(cfg, "lora_r", 0)
-        model = build_on_meta(cfg, run.model_config) if on_meta else build_model(cfg, run.model_config).to(env.device)
+        model = build_on_meta(cfg, run.model_config) if on_meta else None
+        if on_meta and files and not held_by(files, model):  # names transformers converts on load: built whole
+            on_meta = False
+        if not on_meta:
+            model = build_model(cfg, run.model_config).to(env.device)
         layer_classes(model, cfg)  # a refusal before any process waits on another
         init_distributed(env, cfg.rendezvous_timeout_s, cfg.collective_timeout_s, alone_too=True)
         self.model = shard(model, cfg, env)
@@ -228,16 +232,34 @@ def file_names(model: torch.nn.Module, name: str) -> list[str]:
     return [name, name.removeprefix(prefix) if name.startswith(prefix) else prefix + name]
 
 
-def load_slices(model: torch.nn.Module, files: list[Path]) -> None:
-    """Each process's shards of the parameters (and the persistent buffers) that `files` hold, each
-    read alone as its slice of the tensor in the file (converted to the model's dtype), one file open
-    at a time. What is loaded is marked initialised (initialize_shards leaves it)."""
-    tensors = {}  # every name of each tensor (tied ones: several)
+def named_tensors(model: torch.nn.Module) -> dict:
+    """Each parameter and persistent buffer of `model`, by id: the tensor and every name a checkpoint may
+    give it (tied ones: several)."""
+    tensors = {}
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         if attr not in module._non_persistent_buffers_set:
             tensors.setdefault(id(tensor), (tensor, []))[1].extend(file_names(model, name))
+    return tensors
+
+
+def held_by(files: list[Path], model: torch.nn.Module) -> bool:
+    """Whether `files` hold every parameter and persistent buffer of `model` under a name load_slices
+    reads. Some families' files name or fuse weights otherwise (GPT-NeoX's head, Qwen3-MoE's experts;
+    a new classification head is in none): transformers converts those as it loads the whole model."""
+    keys = set()
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            keys |= set(f.keys())
+    return all(any(name in keys for name in names) for _, names in named_tensors(model).values())
+
+
+def load_slices(model: torch.nn.Module, files: list[Path]) -> None:
+    """Each process's shards of the parameters (and the persistent buffers) that `files` hold, each
+    read alone as its slice of the tensor in the file (converted to the model's dtype), one file open
+    at a time. What is loaded is marked initialised (initialize_shards leaves it)."""
+    tensors = named_tensors(model)
     for path in files:
         with safe_open(path, framework="pt") as f:
             keys = set(f.keys())
