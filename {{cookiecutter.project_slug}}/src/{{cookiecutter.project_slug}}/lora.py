@@ -52,13 +52,13 @@ def check(cfg) -> None:
         raise ConfigError(f"lora_r {cfg.lora_r} trains adapters for causal_lm and chat; sequence_classification "
                           "trains its new head whole: set lora_r 0, or task causal_lm or chat")
     found = linear_layers(cfg)
+    leaves = sorted({layer.rsplit(".", 1)[-1] for layer in found})
     names = [name.strip() for name in cfg.lora_target_modules.split(",") if name.strip()]
     for name in names:
         if not any(layer == name or layer.endswith(f".{name}") for layer in found):
-            leaves = sorted({layer.rsplit(".", 1)[-1] for layer in found})
             raise ConfigError(f"lora_target_modules {name!r} matches no linear layer of {cfg.model_name_or_path}; "
                               f"use names among {','.join(leaves)}")
-    cfg.lora_target_modules = ",".join(names or sorted({layer.rsplit(".", 1)[-1] for layer in found}))
+    cfg.lora_target_modules = ",".join(names or leaves)
 
 
 _LAYERS: dict[tuple, list[str]] = {}
