@@ -209,14 +209,15 @@ finally:
 
 
 def start_row(args, tmp: Path, source: str, name_or_path, model_bytes: int) -> dict:
-    """train_pytorch's sharded start from `name_or_path` on START_WORLD_SIZE processes, one step and
-    its checkpoint: each process's peak over its level after the imports, over the fp32 model's bytes."""
+    """train_pytorch's sharded start from `name_or_path` on START_WORLD_SIZE processes, one step, its
+    checkpoint and final_model/: each process's peak over its level after the imports, over the fp32
+    model's bytes."""
     out = tmp / f"peaks_{source}"
     out.mkdir()
     script = tmp / "start.py"
     script.write_text(START_PROCESS.format(slug=SLUG, sizes=START_MODEL))
     flags = train_flags(args, model_name_or_path=name_or_path, fsdp="full_shard", optimizer="sgd", micro_batch_size=1,
-                        global_batch_size=START_WORLD_SIZE, max_steps=2, stop_after_steps=1,
+                        global_batch_size=START_WORLD_SIZE, max_steps=1, save_steps=1,
                         output_dir=tmp / f"run_{source}")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(START_WORLD_SIZE),
                            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(out),
@@ -232,7 +233,7 @@ def start_row(args, tmp: Path, source: str, name_or_path, model_bytes: int) -> d
 
 def start_rows(args) -> list[dict]:
     """The sharded start's rows: `tiny`'s own init at START_MODEL's size, and a folder of that model
-    in several safetensors files; full_shard, SGD, one step and its checkpoint."""
+    in several safetensors files; full_shard, SGD, one step, its checkpoint and final_model/."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         tokenizer = load_tokenizer(load_config(train_flags(args)))
@@ -248,8 +249,8 @@ def start_rows(args) -> list[dict]:
 
 def report_start(args, rows: list[dict]) -> None:
     print_table(f"sharded start: train_pytorch on {START_WORLD_SIZE} processes, a {rows[0]['model_bytes'] / 4e6:.0f}M-"
-                "parameter Llama, full_shard, SGD, one step and its checkpoint; each process's peak resident set "
-                "over its level after the imports",
+                "parameter Llama, full_shard, SGD, one step, its checkpoint and final_model/; each process's peak "
+                "resident set over its level after the imports",
                 {"start": "{start}", "model MiB": "{model:.0f}", "peak / model, each process": "{ratios}",
                  "largest": "{largest_ratio:.3f}", "MALLOC_MMAP_THRESHOLD_": "{malloc_mmap_threshold}"},
                 [{**row, "model": row["model_bytes"] / MIB} for row in rows])

@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -414,7 +415,8 @@ class LiveBytes(TorchDispatchMode):
 
 # train_pytorch's sharded start on its own, on each process: the model as Sharded builds it, each
 # parameter's shard with where it lies in the whole tensor, the buffers, the random state after it,
-# and the most bytes of host tensors alive at once while it was built (LiveBytes)
+# and the most bytes of host tensors alive at once while it was built (LiveBytes); then its weights
+# written as final_model/'s, with the most bytes of host tensors alive at once while they were
 SHARDED_START = f"""import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -435,11 +437,16 @@ cfg = load_config(["--config", config_file, "--fsdp", "full_shard", *flags])
 env = dist_env()
 config = model_config(cfg, load_tokenizer(cfg))
 with LiveBytes() as live:
-    model = sharding.Sharded(SimpleNamespace(cfg=cfg, env=env, model_config=config, resume=None)).model
+    built = sharding.Sharded(SimpleNamespace(cfg=cfg, env=env, model_config=config, resume=None))
+model = built.model
 shards = dict((name, (param.to_local().clone(), [(s.start, s.stop) for s in sharding.local_slice(param)]))
               for name, param in model.named_parameters())
-torch.save(dict(shards=shards, buffers=dict(model.named_buffers()), rng=torch.get_rng_state(), live_peak=live.peak,
-                tied=model.lm_head.weight is model.get_input_embeddings().weight), Path(out) / ("rank%d.pt" % env.rank))
+rng = torch.get_rng_state()
+with LiveBytes() as saving:
+    gathered = built.write_weights(Path(out) / "final")
+torch.save(dict(shards=shards, buffers=dict(model.named_buffers()), rng=rng, live_peak=live.peak,
+                tied=model.lm_head.weight is model.get_input_embeddings().weight, gathered=gathered,
+                saving_peak=saving.peak), Path(out) / ("rank%d.pt" % env.rank))
 """
 
 
@@ -454,9 +461,11 @@ def sharded_start(runs, tmp_path, flags: dict, nproc: int = 2) -> list[dict]:
     return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(nproc)]
 
 
-def assert_same_start(ranks: list[dict], whole: torch.nn.Module) -> None:
+def assert_same_start(ranks: list[dict], whole: torch.nn.Module, final: Path) -> None:
     """Each process's shards are its slices of the unsharded start's parameters, bitwise; they cover
-    every parameter once; the buffers are the same; the tied head is the embedding."""
+    every parameter once; the buffers are the same; the tied head is the embedding. The weights
+    written for final_model/ are the whole parameters, under save_pretrained's names (a tied one
+    once), with no process holding them all at once."""
     params = dict(whole.named_parameters())
     for rank in ranks:
         assert set(rank["shards"]) == set(params)
@@ -467,6 +476,14 @@ def assert_same_start(ranks: list[dict], whole: torch.nn.Module) -> None:
         assert rank["tied"] == (whole.lm_head.weight is whole.get_input_embeddings().weight)
     for name, param in params.items():
         assert sum(rank["shards"][name][0].numel() for rank in ranks) == param.numel(), name
+    written = load_file(final / "model.safetensors")
+    assert written.keys() == params.keys() and all(torch.equal(written[name], params[name]) for name in params)
+    assert not (final / "sharded").exists() and not (final / "model.safetensors.index.json").exists()
+    model_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    saving = [rank["saving_peak"] / model_bytes for rank in ranks]
+    report(f"final_model/ of a sharded model on {len(ranks)} processes: host tensors alive at once "
+           f"{max(saving):.2f} x the model")
+    assert all(rank["gathered"] == {} for rank in ranks) and max(saving) < 0.75
 
 
 def test_the_sharded_start_is_the_unsharded_start_and_no_process_holds_the_whole_model(runs, tmp_path):
@@ -478,7 +495,7 @@ def test_the_sharded_start_is_the_unsharded_start_and_no_process_holds_the_whole
     config = model_config(cfg, load_tokenizer(cfg))
     whole = build_model(cfg, config)
     rng = torch.get_rng_state()
-    assert_same_start(ranks, whole)
+    assert_same_start(ranks, whole, tmp_path / "final")
     assert all(torch.equal(rank["rng"], rng) for rank in ranks)
     model_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
     live = LiveBytes()
@@ -504,4 +521,4 @@ def test_a_pretrained_folder_starts_sharded_from_slices_of_its_files(runs, tmp_p
     assert (folder / "model.safetensors.index.json").is_file()
     ranks = sharded_start(runs, tmp_path, {"model_name_or_path": str(folder)})
     cfg = load_config(["--config", CONFIG, "--fsdp", "full_shard", "--model_name_or_path", str(folder)])
-    assert_same_start(ranks, build_model(cfg, model_config(cfg, load_tokenizer(cfg))))
+    assert_same_start(ranks, build_model(cfg, model_config(cfg, load_tokenizer(cfg))), tmp_path / "final")

@@ -4,7 +4,7 @@ to evaluate, checkpoint and stop. What the job *is* stays in the frozen `startup
 """
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -226,9 +226,11 @@ class Session:
         self.finish_checkpoint()
         write_final(self.cfg, self.env, write, self.state(self.step))
 
-    def save_model(self, model, state_dict: dict | None = None) -> None:
-        """final_model/ from the unwrapped model (`state_dict`: its whole parameters where it is sharded)."""
+    def save_model(self, model, write_weights: Callable[[Path], dict] | None = None) -> None:
+        """final_model/ from the unwrapped model; where it is sharded, `write_weights(folder)` on every
+        process writes its weights (returning {}) or gathers them for rank 0 to write."""
         def write(folder: Path) -> None:
+            state_dict = write_weights(folder) if write_weights else None
             if self.env.is_main_process:
                 save_weights(model, folder, self.cfg, self.run.model_config, state_dict)
                 self.run.tokenizer.save_pretrained(folder)

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
+from torch.distributed.checkpoint._hf_utils import SHARDED_DIR_NAME
+from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -39,6 +41,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
 
 from .checkpoint import _attempt, mark_complete, older_that_loads, publish, write_atomically
 from .config import TrainConfig
@@ -48,6 +51,7 @@ from .model import TINY, build_model, fsdp_mixed_precision
 from .speed import COMPILE
 
 DCP_DIR = "dcp"  # a sharded checkpoint's folder inside checkpoints/step_<N>/
+MAX_WEIGHTS_FILE_BYTES = 50 * 10**9  # save_pretrained's default max_shard_size ("50GB")
 # FSDP2's own reduce-scatter (torch 2.13 renamed reduce_scatter_tensor)
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
@@ -175,7 +179,7 @@ class Sharded:
         if on_meta:
             initialize_shards(self.model)
         self.counter = CollectiveCounter(self.model, hybrid=cfg.fsdp == "hybrid_shard")
-        self.env = env
+        self.env, self.lora = env, bool(getattr(cfg, "lora_r", 0))
         self.background = dist.new_group(backend="gloo") if cfg.async_checkpoint else None  # save_sharded's
 
     @cached_property
@@ -190,8 +194,14 @@ class Sharded:
             torch.save(training, folder / "training_state.pt")
         return written
 
-    def whole_state(self) -> dict:
-        return whole_model_state(self.model)
+    def write_weights(self, folder: Path) -> dict:
+        """final_model/'s weights, on every process: written into `folder` by them all, no process
+        holding the whole model ({}), or, for LoRA's adapters and weights that save_pretrained renames,
+        the whole state gathered for rank 0 to write."""
+        if self.lora or not saved_under_own_names(self.model, self.model.state_dict()):
+            return whole_model_state(self.model)
+        save_whole_weights(self.model, folder, self.env)
+        return {}
 
 
 def sharded(run) -> Sharded | None:
@@ -396,12 +406,46 @@ def load_whole_optimizer(model: FSDPModule, optimizer, state: dict) -> None:
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
-def whole_model_state(model: torch.nn.Module) -> dict:
-    """The whole model's parameters on rank 0's CPU (every rank takes part; the others get none),
-    a tied parameter (the head that is the embedding) once, as save_pretrained writes it."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def untied(model: torch.nn.Module, state: dict) -> dict:
+    """`state` with a tied parameter (the head that is the embedding) once, as save_pretrained writes it."""
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
     return {name: value for name, value in state.items() if name not in tied}
+
+
+def whole_model_state(model: torch.nn.Module) -> dict:
+    """The whole model's parameters on rank 0's CPU, gathered one tensor at a time (every rank takes
+    part; the others get none)."""
+    return untied(model, get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+
+
+def saved_under_own_names(model: torch.nn.Module, state: dict) -> bool:
+    """Whether save_pretrained writes these weights under the model's own names: it does not where
+    transformers converts a checkpoint's weights on load (fused experts, renamed heads)."""
+    if not isinstance(model, PreTrainedModel):
+        return True
+    shapes = {name: torch.empty(value.shape, dtype=value.dtype, device="meta") for name, value in state.items()}
+    return revert_weight_conversion(model, dict(shapes)).keys() == shapes.keys()
+
+
+def save_whole_weights(model: torch.nn.Module, folder: Path, env: DistEnv) -> None:
+    """The sharded model's weights in save_pretrained's files (model.safetensors; over
+    MAX_WEIGHTS_FILE_BYTES, numbered files and their index), written by every process with no
+    process holding the whole model: each writes its own shards into folder/sharded/, then rank 0
+    joins them one tensor at a time (torch's HuggingFace writer) and removes them."""
+    state = untied(model, model.state_dict())
+    file_of, files, size = {}, 1, 0
+    for name, value in state.items():
+        nbytes = value.numel() * value.element_size()
+        if size and size + nbytes > MAX_WEIGHTS_FILE_BYTES:
+            files, size = files + 1, 0
+        file_of[name], size = files, size + nbytes
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=file_of,
+                                                           save_distributed=True, enable_consolidation=True))
+    if env.is_main_process:
+        shutil.rmtree(folder / SHARDED_DIR_NAME)
+        if files == 1:  # one file: named as save_pretrained names it, without an index
+            (folder / "model-00001-of-00001.safetensors").rename(folder / "model.safetensors")
+            (folder / "model.safetensors.index.json").unlink()
 
 
 @dataclass

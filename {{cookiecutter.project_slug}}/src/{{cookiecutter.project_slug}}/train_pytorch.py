@@ -142,7 +142,7 @@ def train(cfg: TrainConfig) -> None:
         if stop:
             return session.stopped()
 
-    session.save_model(model, sharded.whole_state() if sharded else None)
+    session.save_model(model, sharded.write_weights if sharded else None)
     session.done()
 
 
