@@ -100,8 +100,8 @@ def test_bad_config_files(tmp_path, text, message):
     (["--optimizer", "lion"], "invalid choice: 'lion'"),
     (["--warmup_steps", "-1"], "warmup_steps must be >= 0"),  # a whole line: max_nonfinite_steps
     (["--config", "missing.yaml"], "config file missing.yaml not found"),
-    (["--config", str(ROOT / "configs")], f"config file {ROOT / 'configs'} is a folder; pass --config PATH to a YAML "
-                                          "file in it"),
+    (["--config", str(ROOT / "configs")], f"config file {ROOT / 'configs'} is a folder, not a file; pass --config "
+                                          "PATH to a YAML file"),
     (["--weight_decay", "inf"], "weight_decay must be a finite number"),  # the whole line: in test_bad_config_files
     (["--learning_rate", "nan"], "learning_rate must be a finite number"),
     (["--learning-rat", "1"], "unknown flag(s) ['--learning-rat', '1']"),  # no abbreviations

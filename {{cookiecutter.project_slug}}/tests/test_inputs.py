@@ -218,6 +218,15 @@ def test_a_run_or_checkpoint_given_as_the_model_names_its_final_model_and_the_re
                               f"continue the run with --output_dir {run} --resume_from_checkpoint {resume}")
 
 
+@pytest.mark.parametrize("given", ["/no/such/folder", "./no_such_folder", "~/no_such_folder", "models/no/such"])
+def test_a_missing_local_folder_as_the_model_is_named_as_a_folder_not_a_hub_name(given):
+    cfg = load_config(["--config", CONFIG, "--model_name_or_path", given])
+    with pytest.raises(ConfigError) as err:
+        load_tokenizer(cfg)
+    assert str(err.value) == (f"model folder {cfg.model_name_or_path!r} does not exist; use model_name_or_path: tiny, "
+                              "a local folder, or a hub name such as org/model")
+
+
 def test_max_seq_len_must_leave_room_for_text():
     cfg = load_config(["--config", CONFIG, "--max_seq_len", "2"])
     with pytest.raises(ConfigError, match="max_seq_len 2 leaves no room for text: the tokenizer adds 2 special"):

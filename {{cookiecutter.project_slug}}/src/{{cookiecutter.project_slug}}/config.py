@@ -272,23 +272,30 @@ def as_flags(values: dict) -> list[str]:
     return [arg for key, value in values.items() for arg in (f"--{key}", _field_value(key, value))]
 
 
-def _read_yaml(path: str) -> dict:
-    config_file = Path(path)
-    if config_file.is_dir():
-        raise ConfigError(f"config file {path} is a folder; pass --config PATH to a YAML file in it")
-    if not config_file.is_file():
-        raise ConfigError(f"config file {path} not found; pass --config PATH to a YAML file")
+def yaml_mapping(path: str, kind: str, advice: str, holds: str) -> dict:
+    """A YAML file's mapping; one line (ConfigError) naming it as `kind` where it is a folder, missing,
+    not YAML or not text, or no mapping (`advice`: what to pass; `holds`: what the mapping holds)."""
+    file = Path(path)
+    if file.is_dir():
+        raise ConfigError(f"{kind} {path} is a folder, not a file; {advice}")
+    if not file.is_file():
+        raise ConfigError(f"{kind} {path} not found; {advice}")
     try:
-        values = yaml.safe_load(config_file.read_text()) or {}
+        values = yaml.safe_load(file.read_text()) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
+        raise ConfigError(f"{kind} {path} is not valid YAML{where}: {problem}") from None
     except UnicodeDecodeError as err:
-        raise ConfigError(f"config file {path} is not text (UTF-8): {err.reason}") from None
+        raise ConfigError(f"{kind} {path} is not text (UTF-8): {err.reason}") from None
     if not isinstance(values, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of keys to values")
+        raise ConfigError(f"{kind} {path} must hold a mapping of {holds}")
+    return values
+
+
+def _read_yaml(path: str) -> dict:
+    values = yaml_mapping(path, "config file", "pass --config PATH to a YAML file", "keys to values")
     unknown = sorted(set(map(str, values)) - set(_FIELDS))
     if unknown:
         raise unknown_keys(unknown, f" in {path}")

@@ -45,6 +45,9 @@ def _hub_error(name: str, err: Exception) -> ConfigError:
         return ConfigError(f"{name!r} is the output of a training run, not a model: use its final model (model_name_or_"
                            f"path {run / FINAL_DIR}, once the run is finished), or continue the run with --output_dir "
                            f"{run} --resume_from_checkpoint {name if run == p.parent.parent else 'auto'}")
+    if not p.expanduser().exists() and (name.startswith(("/", ".", "~")) or name.count("/") > 1):  # no hub name
+        return ConfigError(f"model folder {name!r} does not exist; use model_name_or_path: tiny, a local folder, or a "
+                           "hub name such as org/model")
     where = "local path" if p.exists() else "model"
     return ConfigError(f"cannot load {where} {name!r} ({first_line(err)}); use model_name_or_path: tiny, a local path, "
                        "or a hub name while the hub is reachable")

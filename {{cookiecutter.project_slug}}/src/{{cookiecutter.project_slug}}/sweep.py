@@ -17,11 +17,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from .cli import say
-from .config import DEFAULT_CONFIG, as_flags, keys_where, load_config, unknown_keys
-from .errors import ConfigError, first_line
+from .config import DEFAULT_CONFIG, as_flags, keys_where, load_config, unknown_keys, yaml_mapping
+from .errors import ConfigError
 
 FILE_KEYS = ("rows", "grid", "configs", "output_root")
 # what a row may not set, and why
@@ -63,22 +61,10 @@ def _values(path: str, where: str, values) -> dict:
     return values
 
 
-def _read(path: str) -> dict:
-    """The sweep file's mapping (ConfigError: one line)."""
-    if not Path(path).is_file():
-        raise ConfigError(f"sweep file {path} not found; name a YAML file, e.g. configs/sweeps/lr.yaml")
-    try:
-        spec = yaml.safe_load(Path(path).read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise ConfigError(f"sweep file {path} is not YAML: {first_line(err)}") from None
-    if not isinstance(spec, dict):
-        raise ConfigError(f"sweep file {path} must hold a mapping: rows and/or grid, configs, output_root")
-    return spec
-
-
 def read_sweep(path: str) -> Sweep:
     """The sweep file's rows, in order: each of `rows` by the grid's combinations (ConfigError: one line)."""
-    spec = _read(path)
+    spec = yaml_mapping(path, "sweep file", "name a YAML file such as configs/sweeps/lr.yaml",
+                        "rows and/or grid, configs, output_root")
     unknown = sorted(set(map(str, spec)) - set(FILE_KEYS))
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; a sweep file holds {', '.join(FILE_KEYS)}")
