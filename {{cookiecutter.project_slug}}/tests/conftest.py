@@ -347,18 +347,25 @@ def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error: ")]
 
 
-def one_error_line(proc, expected: str, code: int = 2, workers: int = 1) -> str:
+def one_error_line(proc, expected: str, code: int = 2, workers: int = 1, exact: bool = False,
+                   alone: bool = False) -> str:
     """The one way the tests assert a one-line error: `proc` (a Run or a finished process) exited with
-    `code`, and its output holds one `error:` line containing `expected` (the whole line for a message's
-    exact text, its start otherwise). One process: exactly one line and no traceback. Under a launcher
-    (`workers` processes): each worker that reaches the check prints its line and exits 2, and the
-    launcher stops the others (a worker still starting may be stopped before it prints), so 1 to
-    `workers` lines, all the same; the launcher's own report may hold a traceback."""
+    `code`, and its output holds one `error:` line. `expected` is the line's start (the part that names
+    the key, file or cause) or, without its `error: `, a part of it; with `exact`, the whole line, as one
+    test per error family pins it. `alone`: stderr holds the error lines and nothing else (no launcher
+    report, no note). One process: exactly one line and no traceback. Under a launcher (`workers`
+    processes): each worker that reaches the check prints its line and exits 2, and the launcher stops
+    the others (a worker still starting may be stopped before it prints), so 1 to `workers` lines, all
+    the same; the launcher's own report may hold a traceback."""
     output = (proc.stdout or "") + (proc.stderr or "")
     lines = error_lines(output)
     assert proc.returncode == code, (proc.returncode, output[-3000:])
-    assert 1 <= len(lines) <= workers and len(set(lines)) == 1 and expected in lines[0], output[-3000:]
+    assert 1 <= len(lines) <= workers and len(set(lines)) == 1, output[-3000:]
+    matches = (lines[0] == expected if exact else
+               lines[0].startswith(expected) if expected.startswith("error: ") else expected in lines[0])
+    assert matches, (expected, lines[0])
     assert workers > 1 or "Traceback" not in output, output[-3000:]
+    assert not alone or proc.stderr.strip().splitlines() == lines, output[-3000:]
     return lines[0]
 
 

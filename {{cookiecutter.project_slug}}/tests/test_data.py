@@ -1,6 +1,7 @@
-"""Data order and collation: deterministic, independent of the world size, nothing duplicated
-or dropped, padding on the right and masked out of the loss; and the data's preparation: once per
-data and settings, shared by every process and later run, packed into blocks when asked."""
+"""Collation: padding on the right and masked out of the loss (model.py's, checked against the textbook
+cross-entropy), evaluation shards that count every example once; and the data's preparation: once per
+data and settings, shared by every process and later run, packed into blocks when asked. (The data
+order, each step's window of the epoch: tests/test_batch.py.)"""
 
 import errno
 import json
@@ -15,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from datasets import Dataset, concatenate_datasets
@@ -40,7 +40,6 @@ from {{ cookiecutter.project_slug }}.model import (
 )
 from {{ cookiecutter.project_slug }}.prepare import pack, prepare
 from {{ cookiecutter.project_slug }}.sources import check_source, find_source, read_raw
-from {{ cookiecutter.project_slug }}.windows import WindowSampler, plan_batches
 
 from conftest import (
     DATA_CACHE,
@@ -49,55 +48,15 @@ from conftest import (
     ROOT,
     background_run,
     children_of,
-    error_lines,
     flag_args,
     launch_cmd,
     logs,
+    one_error_line,
     run_entry,
     successful_run,
 )
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
-
-
-def samplers(n, global_batch, micro, world, seed=7):
-    plan = plan_batches(global_batch, micro, world)
-    return [WindowSampler(n, plan, rank, seed) for rank in range(world)]
-
-
-@pytest.mark.parametrize("n,global_batch,micro,world", [
-    (100, 16, 2, 2), (100, 16, 16, 1), (37, 16, 2, 2), (37, 12, 1, 4), (50, 24, 4, 3), (5, 8, 1, 8),
-])
-def test_windows_cover_each_epoch_exactly_once(n, global_batch, micro, world):
-    ranks = samplers(n, global_batch, micro, world)
-    reference = samplers(n, global_batch, global_batch, 1)[0]
-    for epoch in (0, 1):
-        order = ranks[0].permutation(epoch)
-        assert order.tolist() == reference.permutation(epoch).tolist()  # world size does not matter
-        seen = []
-        for step in range(ranks[0].steps_per_epoch):
-            windows = [s.window(epoch, step) for s in ranks]
-            assert len({len(w) for w in windows}) == 1  # same number of micro-steps on every rank
-            real = sorted(i for w in windows for mb in w for i, keep in mb if keep)
-            assert real == sorted(order[step * global_batch:(step + 1) * global_batch].tolist())
-            assert all(len(mb) <= micro for w in windows for mb in w)
-            seen += real
-        assert sorted(seen) == list(range(n))
-    assert ranks[0].permutation(0).tolist() != ranks[0].permutation(1).tolist()
-
-
-def test_full_windows_have_grad_accum_steps_micro_batches():
-    sampler = samplers(100, 16, 2, 2)[0]
-    assert [sampler.micro_steps(s) for s in range(7)] == [4, 4, 4, 4, 4, 4, 1]
-
-
-def test_resume_position_skips_the_consumed_windows():
-    sampler = samplers(100, 16, 2, 2)[1]
-    sampler.set_epoch(3)
-    everything = list(sampler)
-    sampler.set_epoch(3, start_step=2)
-    assert list(sampler) == everything[2 * 4:]
-    assert len(sampler) == len(everything) - 8
 
 
 @pytest.fixture(scope="module")
@@ -307,17 +266,6 @@ def test_packed_data_is_the_same_whatever_the_number_of_tokenising_processes(tmp
 
     one, two = blocks(1), blocks(2)
     assert one == two and len(one) > 100 and {len(b) for b in one} == {32}
-
-
-def test_the_permutation_is_drawn_once_per_epoch(monkeypatch):
-    sampler = samplers(1000, 16, 2, 2)[0]
-    drawn = []
-    generator = np.random.default_rng
-    monkeypatch.setattr(np.random, "default_rng", lambda seed: drawn.append(seed) or generator(seed))
-    for epoch in (0, 0, 1):
-        sampler.set_epoch(epoch)
-        assert len(list(sampler)) == len(sampler)
-    assert drawn == [[7, 0], [7, 1]]
 
 
 def prepare_in(folder, cache, *flags):
@@ -608,9 +556,8 @@ def signalled_while_preparing(corpus: Path, cache: Path, out: Path, env: dict, t
 def test_a_signal_while_preparing_is_one_line_and_leaves_nothing_behind(long_corpus, env, tmp_path, signum):
     cache = tmp_path / "cache"
     proc, _, children = signalled_while_preparing(long_corpus, cache, tmp_path / "out", env, tmp_path, signum)
-    assert proc.returncode == 128 + signum and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    (line,) = error_lines(proc.stderr)
-    assert line.startswith(f"error: stopped by {signal.Signals(signum).name} while preparing {cache}/causal_lm-")
+    line = one_error_line(proc, f"error: stopped by {signal.Signals(signum).name} while preparing {cache}/causal_lm-",
+                          code=128 + signum)
     assert line.endswith(": nothing half written is left; the next start prepares it")
     assert list(cache.iterdir()) == []  # neither the half-written folder nor the lock
     assert len(children) >= 3 and not [pid for pid in children if running(pid)]

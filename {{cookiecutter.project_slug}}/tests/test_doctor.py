@@ -75,15 +75,16 @@ def test_two_processes_that_agree_print_one_table_and_a_checked_all_reduce(env):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault,expected", [
-    ("torch=2.12.0", f"rank 1 (host {HOST}) has torch 2.12.0, rank 0 has {torch.__version__}"),
-    ("transformers=-", f"rank 1 (host {HOST}) has no transformers, rank 0 has "),
-    ("all_reduce", f"rank 1 (host {HOST}) received 4 from the all-reduce, not 3 (the sum of rank + 1 over 2 ranks)"),
+@pytest.mark.parametrize("fault,expected,exact", [
+    ("torch=2.12.0", f"rank 1 (host {HOST}) has torch 2.12.0, rank 0 has {torch.__version__}", True),
+    ("transformers=-", f"rank 1 (host {HOST}) has no transformers, rank 0 has ", False),
+    ("all_reduce", f"rank 1 (host {HOST}) received 4 from the all-reduce, not 3 (the sum of rank + 1 over 2 ranks)",
+     False),
 ], ids=["other_torch", "no_transformers", "wrong_sum"])
-def test_a_rank_that_differs_is_one_line_naming_it_and_exit_2(env, fault, expected):
+def test_a_rank_that_differs_is_one_line_naming_it_and_exit_2(env, fault, expected, exact):
     needs_two_devices()
     first, second = two_ranks(env, str(ROOT / "tests" / "helpers" / "doctor_faults.py"), "1", fault)
-    one_error_line(first, f"error: {expected}")
+    one_error_line(first, f"error: {expected}", exact=exact)
     # rank 1 stops with the same exit code and leaves the one line to rank 0
     assert second.returncode == 2 and not error_lines(second.stderr) and "Traceback" not in second.stderr, second.stderr
     assert "rank " not in first.stdout  # no table
@@ -100,7 +101,7 @@ def test_a_failed_check_under_train_local_is_exit_2_and_the_doctors_line_alone(e
     proc = subprocess.run(["scripts/train_local.sh"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
                           env={**env, "ENTRY": "doctor", "NPROC_PER_NODE": "2", "PYTHON": sys.executable,
                                "PYTHONPATH": str(tmp_path)})
-    one_error_line(proc, f"error: rank 1 (host {HOST}) has torch 2.12.0, rank 0 has {torch.__version__}")
+    one_error_line(proc, f"error: rank 1 (host {HOST}) has torch 2.12.0")
     assert not re.search(r"Traceback|FAILED|exitcode|failed \(", proc.stderr), proc.stderr[-3000:]
 
 

@@ -37,12 +37,13 @@ def test_a_collective_of_another_shape_ends_the_job_naming_the_collective_and_th
     no line, no file); rank 1 loses contact, waits 10 s for rank 0's word, and says what it knows."""
     out = tmp_path / "out"
     proc, seconds = mismatched(out, env)
-    assert proc.returncode == 1 and seconds < 60, (seconds, proc.stderr[-3000:])
+    assert seconds < 60, (seconds, proc.stderr[-3000:])
     assert "Received data size doesn't match expected size" in proc.stderr  # gloo's abort of rank 0
-    lines = error_lines(proc.stderr)
-    assert len(lines) == 1 and lines[0].startswith("error: lost contact with the other processes (") and (
-        "rank 1 was in all_reduce of float64[5] (step 3); rank 0 did not arrive (no word within 10 s); what each "
-        f"rank was doing: {out / 'debug' / 'rank_<r>.json'}") in lines[0], proc.stderr[-3000:]
+    # torchrun's report holds a traceback (workers=2); rank 0, aborted in C++, says nothing (one line)
+    line = one_error_line(proc, "error: lost contact with the other processes (", code=1, workers=2)
+    assert len(error_lines(proc.stderr)) == 1
+    assert ("rank 1 was in all_reduce of float64[5] (step 3); rank 0 did not arrive (no word within 10 s); what each "
+            f"rank was doing: {out / 'debug' / 'rank_<r>.json'}") in line, line
     report = json.loads((out / "debug" / "rank_1.json").read_text())
     assert report["step"] == 3 and report["collective"] == {"name": "all_reduce", "shape": [5], "dtype": "float64"}
     assert report["others"] == {"0": "no word"} and report["debug_level"] == "OFF"

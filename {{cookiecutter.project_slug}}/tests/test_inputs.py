@@ -22,7 +22,6 @@ from {{ cookiecutter.project_slug }}.prepare import prepare
 from conftest import (
     ENTRIES,
     ROOT,
-    error_lines,
     free_port,
     launch_cmd,
     one_error_line,
@@ -308,8 +307,7 @@ def test_an_interface_the_host_lacks_under_train_local_is_one_line_per_process_a
     variables = {"NPROC_PER_NODE": "2", "PYTHON": sys.executable, "GLOO_SOCKET_IFNAME": "eht9", **BACK_END}
     proc = subprocess.run(["scripts/train_local.sh", "--report_to", "none", "--output_dir", str(tmp_path / "o")],
                           cwd=ROOT, env={**env, **variables}, capture_output=True, text=True, timeout=180)
-    one_error_line(proc, "error: GLOO_SOCKET_IFNAME=eht9 names 'eht9', which host ", workers=2)
-    assert proc.stderr.strip().splitlines() == error_lines(proc.stderr), proc.stderr[-3000:]
+    one_error_line(proc, "error: GLOO_SOCKET_IFNAME=eht9 names 'eht9', which host ", workers=2, alone=True)
     assert not (tmp_path / "o").exists()  # refused before the run folder is made
 
 
@@ -348,8 +346,8 @@ def test_missing_processes_end_with_one_line_after_the_rendezvous_timeout(env, t
     cmd = launch_cmd(ENTRIES[0], 1) + ["--report_to", "none", "--rendezvous_timeout_s", "3",
                                        "--output_dir", str(tmp_path / "o")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    one_error_line(proc, f"rank {rank} waited 3 s for the 2 processes of this job at 127.0.0.1:{port}", code=1)
-    assert proc.stderr.strip().splitlines() == error_lines(proc.stderr), proc.stderr[-3000:]
+    one_error_line(proc, f"error: rank {rank} waited 3 s for the 2 processes of this job at 127.0.0.1:{port}", code=1,
+                   alone=True)
 
 
 @pytest.mark.slow

@@ -1,15 +1,12 @@
 """The memory levers, with accumulation, in every entry point: fp16 loss scaling, gradient
-checkpointing, the optimizers and schedules, FSDP (the micro batch found from memory:
-tests/test_auto_batch.py). docs/memory.md, "Memory levers"."""
-
-import subprocess
+checkpointing, the optimizers and schedules (Accelerate's FSDP: tests/test_accelerate_fsdp.py; the micro
+batch found from memory: tests/test_auto_batch.py). docs/memory.md, "Memory levers"."""
 
 import pytest
 import torch
-from accelerate.utils import FullyShardedDataParallelPlugin
 
 from {{ cookiecutter.project_slug }}.config import load_config
-from {{ cookiecutter.project_slug }}.model import fsdp_mixed_precision, load_tokenizer, model_config
+from {{ cookiecutter.project_slug }}.model import load_tokenizer, model_config
 from {{ cookiecutter.project_slug }}.prepare import prepare
 
 from conftest import (
@@ -20,11 +17,9 @@ from conftest import (
     MIXED_PRECISION,
     ROOT,
     TOL,
-    accelerate_launch,
-    flag_args,
-    launch_cmd,
     max_abs_diff,
     max_loss_diff,
+    one_error_line,
     report,
     run_entry,
 )
@@ -94,8 +89,7 @@ def test_fp16_skipped_step_moves_neither_schedule_nor_optimizer(fp16_runs, which
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if e != "pytorch"])
 def test_fp16_on_cpu_is_refused_where_accelerate_would_train_fp32(entry, env, tmp_path):
     run = run_entry(entry, 1, tmp_path / "out", env, {"mixed_precision": "fp16"})
-    assert run.returncode == 2
-    assert run.stderr.strip().splitlines()[-1].startswith("error: mixed_precision fp16 on CPU: Accelerate")
+    one_error_line(run, "error: mixed_precision fp16 on CPU: Accelerate")
 
 
 @pytest.mark.slow
@@ -129,89 +123,3 @@ def test_optimizers_and_schedules_are_the_same_in_every_entry(runs, optimizer, s
         diff = max_abs_diff(run.params(), reference.params())
         report(f"{optimizer} + {schedule}: {entry} vs {ENTRIES[0]} max |param diff| {diff:.3g}")
         assert diff <= TOL.param
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not (ROOT / "configs" / "accelerate" / "fsdp.yaml").exists(), reason="no accelerate configs")
-def test_fsdp_is_refused_where_it_would_not_run(env, tmp_path):
-    """Accelerate turns on FSDP only on GPUs: on CPU it would train DDP without a word, so every
-    entry point refuses; train_pytorch refuses Accelerate's FSDP everywhere (it has its own, --fsdp)."""
-    fsdp_env = {**env, "ACCELERATE_USE_FSDP": "true"}
-    entries = ENTRIES if GPUS == 0 else ["pytorch"]
-    for entry in entries:
-        run = run_entry(entry, 1, tmp_path / entry, fsdp_env)
-        expected = ("error: train_pytorch shards with its own --fsdp full_shard" if entry == "pytorch"
-                    else "error: FSDP needs GPUs")
-        assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(expected), run.stderr[-2000:]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(GPUS < 2 or "accelerate" not in ENTRIES, reason="FSDP runs on GPUs (2 needed)")
-def test_fsdp_trains_like_ddp(runs, tmp_path):
-    ddp = runs("accelerate", 2, **ACCUM)
-    fsdp = accelerate_launch("fsdp", 2, runs.env, tmp_path / "fsdp", *flag_args(ACCUM))
-    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
-    assert "grad_sync_calls" not in fsdp.steps[0]  # FSDP, not DDP, reduced the gradients
-    diff = max_abs_diff(fsdp.params(), ddp.params())
-    report(f"FSDP vs DDP (2 GPUs x accumulation 4): max |param diff| {diff:.3g}")
-    assert diff <= TOL.param
-
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_fsdp_reduces_and_accumulates_gradients_in_fp32(precision):
-    """train_accelerate's FSDP plugin under mixed precision: the forward in bf16/fp16, the gradient
-    reduce (and with it the accumulation of unsynchronised micro-steps) in fp32; Accelerate keeps
-    the policy when it applies its own mixed precision. (FSDP runs on GPUs only.)"""
-    cfg = load_config(["--config", CONFIG, "--mixed_precision", precision])
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=fsdp_mixed_precision(cfg))
-    plugin.set_mixed_precision(precision)  # as AcceleratorState does
-    policy = plugin.mixed_precision_policy
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (dtype, torch.float32, dtype)
-    assert fsdp_mixed_precision(load_config(["--config", CONFIG])) is None
-
-FSDP2_NORM = """
-import copy, os, torch, torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
-from {{ cookiecutter.project_slug }}.distributed import full_norm, sum_and_read
-dist.init_process_group("gloo")
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
-whole = copy.deepcopy(model)
-fully_shard(model)
-x = torch.randn(8, 16)  # the same batch on both ranks: the averaged gradients are the whole model's
-model(x).sum().backward()
-whole(x).sum().backward()
-expected = torch.nn.utils.get_total_norm([p.grad for p in whole.parameters()]).item()
-local = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-clipped = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
-assert isinstance(clipped, DTensor) and isinstance(local, DTensor)
-record = sum_and_read([torch.tensor(3.0)], [clipped])[1]  # as Session.read_step reads the record's norm
-shards = torch.nn.utils.get_total_norm([p.grad.to_local() for p in model.parameters()]).item()
-# one write per line (print writes its parts one by one, and the 2 ranks share torchrun's stdout)
-os.write(1, f"{dist.get_rank()} {record} {full_norm(local).item()} {shards} {expected}\\n".encode())
-dist.barrier()
-os._exit(0)  # not the group's teardown: after FSDP2, gloo's now and then aborts the interpreter's exit
-"""
-
-
-@pytest.mark.slow
-def test_fsdp2_gradient_norms_are_the_whole_models(env, tmp_path):
-    """Under FSDP2 a gradient norm is a DTensor, which `.tolist()` refuses: the record's grad_norm,
-    and the norm the Trainer's callback reads (full_norm), are the whole model's, not a shard's."""
-    script = tmp_path / "fsdp2_norm.py"
-    script.write_text(FSDP2_NORM)
-    cmd = launch_cmd(ENTRIES[0], 2)
-    cmd[-2:] = [str(script)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = sorted(line.split() for line in proc.stdout.splitlines() if line[:1] in "01")
-    assert [row[0] for row in rows] == ["0", "1"], proc.stdout
-    for _, record, callback, shard, expected in rows:
-        assert abs(float(record) - float(expected)) <= 1e-6 * float(expected)
-        assert abs(float(callback) - float(expected)) <= 1e-6 * float(expected)
-        assert float(shard) < float(expected) * (1 - 1e-3)  # this rank's shards' norm alone would be wrong
-    report(f"FSDP2 gradient norm on 2 ranks: record {rows[0][1]}, whole model {rows[0][4]}, "
-           f"shard alone {rows[0][3]} / {rows[1][3]}")

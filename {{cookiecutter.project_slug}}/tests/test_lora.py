@@ -69,7 +69,8 @@ def test_lora_keys_are_resolved_and_checked_up_front(env, tmp_path):
             load_config(["--config", CONFIG, *flags])
     out = tmp_path / "out"
     proc = run_entry(ENTRIES[0], 1, out, env, {"lora_r": 4, "lora_target_modules": "lm_head"})
-    one_error_line(proc, f"lora_target_modules 'lm_head' matches no linear layer of tiny; use names among {LINEAR}")
+    one_error_line(proc, "error: lora_target_modules 'lm_head' matches no linear layer of tiny; use names among "
+                   f"{LINEAR}", exact=True)
     assert not out.exists()
 
 

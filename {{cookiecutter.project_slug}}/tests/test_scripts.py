@@ -15,7 +15,7 @@ import pytest
 
 from {{ cookiecutter.project_slug }}.extras import BAKED, not_baked
 
-from conftest import DATA_CACHE, ENTRIES, LAUNCH_TIMEOUT_S, ROOT, SLUG, error_lines, wait_for_step
+from conftest import DATA_CACHE, ENTRIES, LAUNCH_TIMEOUT_S, ROOT, SLUG, error_lines, one_error_line, wait_for_step
 
 SCRIPTS = sorted((ROOT / "scripts").rglob("*.sh")) + sorted((ROOT / "scripts").rglob("*.sbatch"))
 
@@ -50,21 +50,22 @@ def test_dry_run_accepts_every_way_of_saying_yes(env, value):
 # tests/test_sweep.py)
 SBATCH = sorted(path for path in (ROOT / "scripts" / "slurm").glob("*.sbatch") if path.stem != "sweep")
 LAUNCH_SCRIPTS = ["scripts/train_local.sh", *(f"scripts/slurm/{p.name}" for p in SBATCH)]
-BAD_VARIABLES = [({"NPROC_PER_NODE": "0"}, "error: NPROC_PER_NODE=0 is not a whole number of at least 1"),
-                 ({"NPROC_PER_NODE": "abc"}, "error: NPROC_PER_NODE=abc is not a whole number of at least 1"),
-                 ({"MASTER_PORT": "29 500"}, "error: MASTER_PORT=29 500 is not a port (1-65535)"),
-                 ({"MASTER_PORT": "99999"}, "error: MASTER_PORT=99999 is not a port (1-65535)"),
-                 ({"ENTRY": "foo"}, f"error: ENTRY=foo is not an entry point of this project; use "
-                                    f"{', '.join(sorted(ENTRIES))}" + (" or doctor" if "doctor" in BAKED else "")),
+# (variables, the line's start, whether that is the whole line): flags.sh's checks, each message's whole
+# line once here (test_launchers.py and test_sweep.py assert the same checks by their start)
+BAD_VARIABLES = [({"NPROC_PER_NODE": "0"}, "error: NPROC_PER_NODE=0 is not a whole number of at least 1", True),
+                 ({"NPROC_PER_NODE": "abc"}, "error: NPROC_PER_NODE=abc is not a whole number", False),
+                 ({"MASTER_PORT": "29 500"}, "error: MASTER_PORT=29 500 is not a port", False),
+                 ({"MASTER_PORT": "99999"}, "error: MASTER_PORT=99999 is not a port (1-65535)", True),
+                 ({"ENTRY": "foo"}, "error: ENTRY=foo is not an entry point of this project; use "
+                                    f"{', '.join(sorted(ENTRIES))}{' or doctor' if 'doctor' in BAKED else ''}", True),
                  *([] if "doctor" in BAKED else [({"ENTRY": "doctor"},
-                                                   f"error: {not_baked('ENTRY=doctor', 'doctor')}")])]
-SBATCH_BAD_VARIABLES = [({"SLURM_NNODES": "abc"}, "error: SLURM_NNODES=abc is not a whole number of at least 1"),
+                                                   f"error: {not_baked('ENTRY=doctor', 'doctor')}", True)])]
+SBATCH_BAD_VARIABLES = [({"SLURM_NNODES": "abc"}, "error: SLURM_NNODES=abc is not a whole number", False),
                         ({"CONFIG": "configs/trian.yaml"},
-                         "error: CONFIG=configs/trian.yaml names configs/trian.yaml, which is not a file"),
-                        ({"SLURM_CPUS_PER_TASK": "8x"},
-                         "error: SLURM_CPUS_PER_TASK=8x is not a whole number of at least 1"),
-                        ({"OMP_NUM_THREADS": "0"}, "error: OMP_NUM_THREADS=0 is not a whole number of at least 1"),
-                        ({"MAX_RESTARTS": "-1"}, "error: MAX_RESTARTS=-1 is not a whole number")]
+                         "error: CONFIG=configs/trian.yaml names configs/trian.yaml, which is not a file", True),
+                        ({"SLURM_CPUS_PER_TASK": "8x"}, "error: SLURM_CPUS_PER_TASK=8x is not a whole number", False),
+                        ({"OMP_NUM_THREADS": "0"}, "error: OMP_NUM_THREADS=0 is not a whole number", False),
+                        ({"MAX_RESTARTS": "-1"}, "error: MAX_RESTARTS=-1 is not a whole number", True)]
 
 
 @pytest.mark.parametrize("script", LAUNCH_SCRIPTS)
@@ -72,19 +73,18 @@ def test_a_dry_run_value_that_is_neither_yes_nor_no_is_one_line(env, script):
     proc = subprocess.run(["bash", script, "--max_steps", "3"], cwd=ROOT, capture_output=True, text=True,
                           env={**env, "DRY_RUN": "maybe", "NPROC_PER_NODE": "2", "PYTHON": "python3",
                                "MASTER_PORT": "29500"}, timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip().splitlines() == ["error: DRY_RUN=maybe is not yes or no; use 1, true or yes, or 0, "
-                                                "false or no"]
+    one_error_line(proc, "error: DRY_RUN=maybe is not yes or no; use 1, true or yes, or 0, false or no", exact=True,
+                   alone=True)
 
 
-@pytest.mark.parametrize("script,variables,expected", [
-    pytest.param(script, variables, expected, id=f"{Path(script).name}-{'-'.join(variables.values())}")
+@pytest.mark.parametrize("script,variables,expected,exact", [
+    pytest.param(script, variables, expected, exact, id=f"{Path(script).name}-{'-'.join(variables.values())}")
     for script in LAUNCH_SCRIPTS
-    for variables, expected in BAD_VARIABLES + (SBATCH_BAD_VARIABLES if script.endswith(".sbatch") else [])])
-def test_a_bad_launch_variable_is_one_line_before_anything_starts(env, script, variables, expected):
+    for variables, expected, exact in BAD_VARIABLES + (SBATCH_BAD_VARIABLES if script.endswith(".sbatch") else [])])
+def test_a_bad_launch_variable_is_one_line_before_anything_starts(env, script, variables, expected, exact):
     proc = subprocess.run(["bash", script, "--max_steps", "3"], cwd=ROOT, capture_output=True, text=True,
                           env={**env, "DRY_RUN": "1", "PYTHON": "python3", **variables}, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [expected], proc.stdout + proc.stderr
+    one_error_line(proc, expected, exact=exact, alone=True)
 
 
 RDZV_SCRIPTS = [s for s in ("scripts/train_local.sh", "scripts/slurm/torchrun.sbatch") if (ROOT / s).is_file()]
@@ -109,9 +109,8 @@ def test_a_malformed_rdzv_conf_is_one_line_before_torchrun_starts(env, script, r
     """torch would end torchrun with a traceback (a key without a value, a timeout that is not a number) or
     silently ignore a key it does not know."""
     proc = rdzv_dry_run(env, script, rdzv_conf)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"error: RDZV_CONF={rdzv_conf}: '{item}' is not a rendezvous setting; "
-                                                f"{RDZV_SETTINGS}"]
+    one_error_line(proc, f"error: RDZV_CONF={rdzv_conf}: '{item}' is not a rendezvous setting; {RDZV_SETTINGS}",
+                   exact=True, alone=True)
 
 
 @pytest.mark.parametrize("script", RDZV_SCRIPTS)
@@ -127,9 +126,7 @@ def test_a_deepspeed_stage_without_its_files_is_one_line(env):
         pytest.skip("a project generated without DeepSpeed")
     proc = subprocess.run(["bash", str(script)], cwd=ROOT, capture_output=True, text=True,
                           env={**env, "DRY_RUN": "1", "ZERO_STAGE": "5"}, timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip().splitlines() == ["error: ZERO_STAGE=5 names configs/accelerate/deepspeed_zero5.yaml, "
-                                                "which is not a file"]
+    one_error_line(proc, "error: ZERO_STAGE=5 names configs/accelerate/deepspeed_zero5.yaml", alone=True)
 
 
 def test_train_local_trains_with_two_cpu_processes(env, tmp_path):
@@ -338,22 +335,22 @@ def run_with_fake_srun(env, tmp_path: Path, with_apptainer: bool, **variables) -
                                **variables})
 
 
-@pytest.mark.parametrize("variables,with_apptainer,expected", [
+@pytest.mark.parametrize("variables,with_apptainer,expected,exact", [
     ({"CONTAINER_IMAGE": "nvcr.io#nvidia/pytorch:25.10-py3", "APPTAINER_IMAGE": "train.sif"}, True,
      "error: CONTAINER_IMAGE and APPTAINER_IMAGE are both set; set one: CONTAINER_IMAGE runs each node's command with "
-     "pyxis (srun --container-image), APPTAINER_IMAGE under apptainer exec"),
+     "pyxis (srun --container-image), APPTAINER_IMAGE under apptainer exec", True),
     ({"APPTAINER_IMAGE": "{tmp}/train.sif"}, False, "error: APPTAINER_IMAGE is set and apptainer is not on PATH; load "
-     "it (module load apptainer), or run the image with pyxis: CONTAINER_IMAGE"),
-    ({"APPTAINER_IMAGE": "{tmp}/missing.sif"}, True,
-     "error: APPTAINER_IMAGE={tmp}/missing.sif names {tmp}/missing.sif, which is not a file")],
+     "it (module load apptainer), or run the image with pyxis: CONTAINER_IMAGE", True),
+    ({"APPTAINER_IMAGE": "{tmp}/missing.sif"}, True, "error: APPTAINER_IMAGE={tmp}/missing.sif names {tmp}/missing.sif",
+     False)],  # flags.sh's "which is not a file": test_a_bad_launch_variable_is_one_line_before_anything_starts
     ids=["both", "no_apptainer", "no_sif"])
-def test_a_container_that_cannot_run_is_one_line(env, tmp_path, variables, with_apptainer, expected):
+def test_a_container_that_cannot_run_is_one_line(env, tmp_path, variables, with_apptainer, expected, exact):
     if not SBATCH:
         pytest.skip("a project generated without the SLURM scripts")
     (tmp_path / "train.sif").touch()
     proc = run_with_fake_srun(env, tmp_path, with_apptainer,
                               **{k: v.format(tmp=tmp_path) for k, v in variables.items()})
-    assert (proc.returncode, proc.stderr.splitlines()) == (2, [expected.format(tmp=tmp_path)]), proc.stdout
+    one_error_line(proc, expected.format(tmp=tmp_path), exact=exact, alone=True)
     assert not (tmp_path / "srun").exists()
 
 
