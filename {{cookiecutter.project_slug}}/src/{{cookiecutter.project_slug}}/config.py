@@ -273,15 +273,12 @@ def as_flags(values: dict) -> list[str]:
 
 
 def yaml_mapping(path: str, kind: str, advice: str, holds: str) -> dict:
-    """A YAML file's mapping; one line (ConfigError) naming it as `kind` where it is a folder, missing,
-    not YAML or not text, or no mapping (`advice`: what to pass; `holds`: what the mapping holds)."""
-    file = Path(path)
-    if file.is_dir():
-        raise ConfigError(f"{kind} {path} is a folder, not a file; {advice}")
-    if not file.is_file():
-        raise ConfigError(f"{kind} {path} not found; {advice}")
+    """A YAML file's mapping (of `holds`), else one line (ConfigError) naming it as `kind`, with `advice`."""
+    if not Path(path).is_file():
+        problem = "is a folder, not a file" if Path(path).is_dir() else "not found"
+        raise ConfigError(f"{kind} {path} {problem}; {advice}")
     try:
-        values = yaml.safe_load(file.read_text()) or {}
+        values = yaml.safe_load(Path(path).read_text()) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -216,8 +216,7 @@ def save_weights(model: torch.nn.Module, folder: Path, cfg: TrainConfig, config,
                  **save_pretrained_kwargs) -> None:
     """final_model/'s (and the Trainer's checkpoints') weights: save_pretrained, or a model_factory
     model's weights as model.safetensors (tied weights once) beside FACTORY_FILE, which names the
-    factory and its arguments (rebuild_model). `state_dict`: the whole weights of a sharded model;
-    empty where they are in `folder` already (the rest is written)."""
+    factory and its arguments (rebuild_model); `state_dict`: a sharded model's ({}: in `folder` already)."""
     if not cfg.model_factory:
         model.save_pretrained(folder, state_dict=state_dict, **save_pretrained_kwargs)
     elif save_pretrained_kwargs.get("is_main_process", True):

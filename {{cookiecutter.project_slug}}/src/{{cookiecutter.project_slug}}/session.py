@@ -227,8 +227,7 @@ class Session:
         write_final(self.cfg, self.env, write, self.state(self.step))
 
     def save_model(self, model, write_weights: Callable[[Path], dict] | None = None) -> None:
-        """final_model/ from the unwrapped model; where it is sharded, `write_weights(folder)` on every
-        process writes its weights (returning {}) or gathers them for rank 0 to write."""
+        """final_model/ from the unwrapped model; a sharded one's weights by `write_weights` on every process."""
         def write(folder: Path) -> None:
             state_dict = write_weights(folder) if write_weights else None
             if self.env.is_main_process:
