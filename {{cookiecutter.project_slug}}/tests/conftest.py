@@ -194,20 +194,26 @@ def offline_env(tmp: Path) -> dict:
     return env
 
 
-def launch_cmd(entry: str, nproc: int) -> list[str]:
-    module = f"{SLUG}.train_{entry}"
-    if nproc == 1:
-        return [sys.executable, "-m", module]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-            str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", module]
+def launch_cmd(entry: str, nproc: int, script: tuple = (), agent: list[str] | None = None) -> list[str]:
+    """The command line of `entry` on `nproc` processes, without its flags: as `python -m` starts it, or
+    under torchrun for more processes or where `agent` gives torchrun's own options (c10d_agent); then
+    `script` (a Python file and its first arguments) in place of `-m <entry module>`."""
+    program = [str(arg) for arg in script] or ["-m", f"{SLUG}.train_{entry}"]
+    if nproc == 1 and agent is None:
+        return [sys.executable, *program]
+    agent = agent or ["--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *agent, *program]
 
 
-def c10d_launch_cmd(entry: str, nnodes: int, nproc_per_node: int, port: int, *agent_args: str) -> list[str]:
-    """torchrun with a c10d rendezvous on 127.0.0.1:`port`, as scripts/slurm/torchrun.sbatch starts
-    it on each node; `agent_args` are further torchrun options (--node_rank, --max_restarts)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node",
-            str(nproc_per_node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", *agent_args,
-            "-m", f"{SLUG}.train_{entry}"]
+def c10d_agent(port: int, nnodes: int = 1, *more: str) -> list[str]:
+    """torchrun's options for a c10d rendezvous of `nnodes` agents on 127.0.0.1:`port`, as
+    scripts/slurm/torchrun.sbatch starts one agent per node; `more` are further options (--node_rank,
+    --max_restarts)."""
+    return ["--nnodes", str(nnodes), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", *more]
+
+
+# A shell that ignores SIGUSR1 and then becomes the launch, as scripts/slurm/common.sh starts one.
+IGNORING_USR1 = ("bash", "-c", "trap '' USR1; exec \"$@\"", "bash")
 
 
 def accelerate_launch(config: str | None, nproc: int, env: dict, out: Path, *extra: str,
@@ -228,26 +234,31 @@ def flag_args(flags: dict | None = None) -> list[str]:
 
 
 def run_entry(entry: str, nproc: int, output_dir: Path, env: dict, flags: dict | None = None,
-              extra: list[str] | None = None) -> Run:
+              extra: list[str] | None = None, *, script: tuple = (), agent: list[str] | None = None,
+              under: tuple = (), background: bool = False,
+              logs: Path | None = None) -> Run | contextlib.AbstractContextManager[subprocess.Popen]:
     """The one way the tests launch a run: the entry point on `nproc` processes with FAST, `flags`, the
-    output folder and then `extra` (raw arguments) as its command line (launch_entry: one process forked
-    as `python -m` starts it; more under torchrun, whose exit code and report a failed worker gets).
-    `runs` (RunCache) keeps the runs that several tests read; successful_run forks torchrun's workers."""
+    output folder and then `extra` (raw arguments) as its command line; returns a `Run`. One process
+    is forked as `python -m` starts it (forked_run), unless the test sets RANK or WORLD_SIZE itself (a
+    worker started by hand keeps its MASTER_PORT); more run under torchrun, whose exit code and report
+    a failed worker gets.
+    `script`: a Python file and its first arguments, run in place of `-m <entry module>` (a stand-in
+    that changes the entry point, then runs it). `agent`: torchrun's own options (c10d_agent).
+    `under`: a command the launch runs under (IGNORING_USR1). `background`: a `with` block instead,
+    given the launcher's process (background_run; its output in `logs`, else `output_dir`, .stdout
+    and .stderr). `runs` (RunCache) keeps the runs that several tests read."""
     if 0 < GPUS < nproc:
         pytest.skip(f"{nproc} processes need {nproc} GPUs (nccl: one process per GPU); this machine has {GPUS}")
     args = flag_args(flags) + ["--output_dir", str(output_dir)] + (extra or [])
-    proc = launch_entry(entry, nproc, args, env, output_dir.parent / f"{output_dir.name}.log")
+    cmd = [*under, *launch_cmd(entry, nproc, script, agent), *args]
+    if background:
+        return background_run(cmd, env, logs or output_dir)
+    by_hand = env.keys() & {"RANK", "WORLD_SIZE"}
+    if nproc == 1 and agent is None and not (script or under or by_hand) and output_dir.parent.is_dir():
+        proc = forked_run(entry, 1, args, env, output_dir.parent / f"{output_dir.name}.log")
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     return Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
-
-
-def launch_entry(entry: str, nproc: int, args: list[str], env: dict, logs: Path,
-                 timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """The entry point with `args`: under torchrun for more than one process, else as `python -m`
-    runs it (forked_run, its output also in `logs`.stdout and .stderr where that folder exists)."""
-    if nproc == 1 and logs.parent.is_dir():
-        return forked_run(entry, 1, args, env, logs, timeout)
-    return subprocess.run(launch_cmd(entry, nproc) + args, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 # Fork servers (helpers/fork_launcher.py) by entry point and environment (but W&B's variables, which only
@@ -427,11 +438,12 @@ def assert_same_training(resumed: Run, straight: Run) -> float:
 
 
 @contextlib.contextmanager
-def background_run(cmd: list[str], env: dict, tmp_path: Path):
-    """A run in the background for the `with` block, then waited for; its output goes to files (a
-    full pipe would stall it), and if the block fails the run is killed with all its processes."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=(tmp_path / "stdout").open("w"),
-                            stderr=(tmp_path / "stderr").open("w"), text=True)
+def background_run(cmd: list[str], env: dict, logs: Path):
+    """`cmd` in the background for the `with` block, then waited for (run_entry's background form, and
+    the launch scripts'); its output goes to `logs`.stdout and .stderr (a full pipe would stall it), and
+    if the block fails the run is killed with all its processes."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=Path(f"{logs}.stdout").open("w"),
+                            stderr=Path(f"{logs}.stderr").open("w"), text=True)
     try:
         yield proc
         proc.wait(timeout=LAUNCH_TIMEOUT_S)
@@ -440,8 +452,9 @@ def background_run(cmd: list[str], env: dict, tmp_path: Path):
             signal_process_tree(proc.pid, signal.SIGKILL)
 
 
-def logs(tmp_path: Path) -> tuple[str, str]:
-    return (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+def read_logs(logs: Path) -> tuple[str, str]:
+    """The output so far of a background run: `logs`.stdout and .stderr."""
+    return Path(f"{logs}.stdout").read_text(), Path(f"{logs}.stderr").read_text()
 
 
 def children_of() -> dict[int, list[int]]:
@@ -470,7 +483,7 @@ def wait_for_step(out: Path, proc: subprocess.Popen, step: int) -> None:
         time.sleep(0.02)
 
 
-def run_with_publish_hook(entry: str, hook: str, flags: dict, out: Path, env: dict) -> subprocess.CompletedProcess:
+def run_with_publish_hook(entry: str, hook: str, flags: dict, out: Path, env: dict) -> Run:
     """The entry point on 2 processes under torchrun, with `checkpoint.publish` (which marks a
     checkpoint complete) replaced by `hook`: the body of a function of (cfg, env, written, final,
     state) that may call the original as `publish(...)`, to make a fault happen at a chosen step."""
@@ -489,13 +502,10 @@ for name, module in list(sys.modules.items()):  # every module of the project th
         module.publish = hooked
 entry.main()
 """)
-    cmd = launch_cmd(entry, 2)
-    cmd[-2:] = [str(script), entry]  # torchrun runs the script in place of `-m <entry module>`
-    return subprocess.run(cmd + flag_args(flags) + ["--output_dir", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    return run_entry(entry, 2, out, env, flags, script=(script, entry))
 
 
-def fault_one_worker(out: Path, proc: subprocess.Popen, signum: int, tmp_path: Path) -> tuple[int, dict, float]:
+def fault_one_worker(out: Path, proc: subprocess.Popen, signum: int) -> tuple[int, dict, float]:
     """Once the job under `proc` (torchrun --max_restarts 1, checkpoints every 10 steps) has logged
     step 15, send `signum` to one of its 2 workers, then wait for the first record of the restarted
     job: a step the faulted job had already logged, which the restart set aside (with the others
@@ -507,7 +517,7 @@ def fault_one_worker(out: Path, proc: subprocess.Popen, signum: int, tmp_path: P
     os.kill(children_of()[proc.pid][-1], signum)  # one of torchrun's 2 workers
     redone = []
     while not redone:
-        assert proc.poll() is None and time.monotonic() < faulted_at + LAUNCH_TIMEOUT_S, logs(tmp_path)[1][-3000:]
+        assert proc.poll() is None and time.monotonic() < faulted_at + LAUNCH_TIMEOUT_S, read_logs(out)[1][-3000:]
         time.sleep(0.02)
         set_aside = dropped_steps(out)
         if set_aside:

@@ -14,14 +14,11 @@ from accelerate.commands.config.config_args import load_config_from_file
 from {{ cookiecutter.project_slug }}.config import load_config
 
 from conftest import (
-    LAUNCH_TIMEOUT_S,
     ROOT,
     SLUG,
     Run,
     accelerate_launch,
-    flag_args,
     free_port,
-    launch_cmd,
     max_abs_diff,
     one_error_line,
     report,
@@ -157,18 +154,14 @@ MODEL_START = textwrap.dedent("""
 """)
 
 
-def zero3_start(env: dict, tmp_path, name: str, flags: dict, **extra_env) -> subprocess.CompletedProcess:
+def zero3_start(env: dict, tmp_path, name: str, flags: dict, **extra_env) -> Run:
     """The accelerate entry point on 2 processes under ZeRO-3 through MODEL_START, into tmp_path/name.
     Tensors of 1 MiB and more are given back to the system when freed (MALLOC_MMAP_THRESHOLD_; glibc
     would otherwise keep them, which resident memory cannot tell from live ones)."""
     script = tmp_path / "model_start.py"
     script.write_text(MODEL_START)
-    cmd = launch_cmd("accelerate", 2)
-    cmd[-2:] = [str(script), "accelerate"]
-    flags = flag_args({"deepspeed": "configs/deepspeed/zero3.json", **flags})
-    proc = subprocess.run(cmd + flags + ["--output_dir", str(tmp_path / name)], cwd=ROOT, timeout=LAUNCH_TIMEOUT_S,
-                          env={**env, "MALLOC_MMAP_THRESHOLD_": "1048576", **extra_env}, capture_output=True,
-                          text=True)
+    proc = run_entry("accelerate", 2, tmp_path / name, {**env, "MALLOC_MMAP_THRESHOLD_": "1048576", **extra_env},
+                     {"deepspeed": "configs/deepspeed/zero3.json", **flags}, script=(script, "accelerate"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

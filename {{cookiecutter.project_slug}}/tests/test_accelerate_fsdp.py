@@ -107,9 +107,8 @@ def test_fsdp2_gradient_norms_are_the_whole_models(env, tmp_path):
     and the norm the Trainer's callback reads (full_norm), are the whole model's, not a shard's."""
     script = tmp_path / "fsdp2_norm.py"
     script.write_text(FSDP2_NORM)
-    cmd = launch_cmd(ENTRIES[0], 2)
-    cmd[-2:] = [str(script)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(launch_cmd(ENTRIES[0], 2, (script,)), cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = sorted(line.split() for line in proc.stdout.splitlines() if line[:1] in "01")
     assert [row[0] for row in rows] == ["0", "1"], proc.stdout

@@ -7,8 +7,6 @@ forward pass on one rank above a bound of rows), since this machine has no GPU t
 
 import json
 import math
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -25,14 +23,11 @@ from {{ cookiecutter.project_slug }}.memory import MIB, check_auto_micro_batch, 
 from conftest import (
     ACCUM,
     ENTRIES,
-    LAUNCH_TIMEOUT_S,
     ROOT,
     SLUG,
     TOL,
     Run,
     assert_same_training,
-    flag_args,
-    free_port,
     max_abs_diff,
     report,
     run_entry,
@@ -49,11 +44,8 @@ AUTO = {"micro_batch_size": "auto", "memory_budget_mb": 100000, "global_batch_si
 
 def injected(entry: str, spec: str, out, env, flags: dict) -> Run:
     """2 processes of `entry` under torchrun, out-of-memory errors injected on rank 1 (`spec`)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "tests" / "helpers" / "oom_injection.py"), spec,
-           f"{SLUG}.train_{entry}", *flag_args(flags), "--output_dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    return Run(proc.returncode, proc.stdout, proc.stderr, out)
+    return run_entry(entry, 2, out, env, flags,
+                     script=(ROOT / "tests" / "helpers" / "oom_injection.py", spec, f"{SLUG}.train_{entry}"))
 
 
 # Rank 1: more than 4 rows do not fit (the start-up search settles on 4: accumulation 2), and after
@@ -202,9 +194,7 @@ def test_the_micro_batch_probe_sees_the_peak_of_real_steps(env, tmp_path, entry,
     flags = {"optimizer": optimizer, "micro_batch_size": 4, "global_batch_size": 16, "max_steps": 4}
     script, peaks_file = tmp_path / "measured_steps.py", tmp_path / "peaks.json"
     script.write_text(MEASURED_STEPS)
-    cmd = [sys.executable, str(script), entry, *flag_args(flags), "--output_dir", str(tmp_path / "out")]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**env, "PEAKS_FILE": str(peaks_file)}, capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT_S)
+    proc = run_entry(entry, 1, tmp_path / "out", {**env, "PEAKS_FILE": str(peaks_file)}, flags, script=(script, entry))
     assert proc.returncode == 0, proc.stderr[-3000:]
     real = max(json.loads(peaks_file.read_text()).values())
     cfg, config = config_for("--optimizer", optimizer)

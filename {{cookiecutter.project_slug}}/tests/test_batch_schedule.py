@@ -3,7 +3,6 @@ with it, and the gradient noise scale that says which batch pays."""
 
 import json
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -23,7 +22,7 @@ from conftest import (
     TOL,
     assert_one_stream,
     assert_same_training,
-    free_port,
+    launch_cmd,
     max_abs_diff,
     report,
 )
@@ -215,9 +214,8 @@ def test_the_noise_scale_estimator_against_the_closed_form(runs, tmp_path):
     64), averaged over 400 steps, must land within 10 % of it."""
     script = tmp_path / "noise.py"
     script.write_text(NOISE_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), "400"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=runs.env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = subprocess.run(launch_cmd(ENTRIES[0], 2, (script, 400)), cwd=ROOT, env=runs.env, capture_output=True,
+                          text=True, timeout=LAUNCH_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     error = abs(result["estimate"] / result["exact"] - 1)

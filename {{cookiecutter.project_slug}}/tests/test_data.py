@@ -44,14 +44,14 @@ from {{ cookiecutter.project_slug }}.sources import check_source, find_source, r
 from conftest import (
     DATA_CACHE,
     ENTRIES,
+    IGNORING_USR1,
     LAUNCH_TIMEOUT_S,
     ROOT,
-    background_run,
+    Run,
     children_of,
     flag_args,
-    launch_cmd,
-    logs,
     one_error_line,
+    read_logs,
     run_entry,
     successful_run,
 )
@@ -529,33 +529,29 @@ def running(pid: int) -> bool:
         return False
 
 
-def signalled_while_preparing(corpus: Path, cache: Path, out: Path, env: dict, tmp_path: Path, signum: int,
-                              shell_ignores: bool = False) -> tuple[subprocess.CompletedProcess, int, list]:
+def signalled_while_preparing(corpus: Path, cache: Path, out: Path, env: dict, signum: int,
+                              shell_ignores: bool = False) -> tuple[Run, int, list]:
     """One process preparing `corpus` with 2 tokenising workers, given `signum` half a second into
-    the tokenising: its exit, its pid and its children then (workers, the pool's manager), its
-    output in `tmp_path`. `shell_ignores`: started as the sbatch scripts start it, from a shell
-    that ignores SIGUSR1."""
-    cmd = launch_cmd(ENTRIES[0], 1) + flag_args({"dataset": corpus, "data_cache_dir": cache, "data_num_proc": 2,
-                                                 "max_steps": 3}) + ["--output_dir", str(out)]
-    if shell_ignores:
-        cmd = ["bash", "-c", "trap '' USR1; exec \"$@\"", "bash", *cmd]
-    with background_run(cmd, env, tmp_path) as proc:
+    the tokenising: its exit, its pid and its children then (workers, the pool's manager).
+    `shell_ignores`: started as the sbatch scripts start it, from a shell that ignores SIGUSR1."""
+    flags = {"dataset": corpus, "data_cache_dir": cache, "data_num_proc": 2, "max_steps": 3}
+    with run_entry(ENTRIES[0], 1, out, env, flags, under=IGNORING_USR1 if shell_ignores else (),
+                   background=True) as proc:
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while "data: preparing" not in logs(tmp_path)[0]:
-            assert proc.poll() is None and time.monotonic() < deadline, logs(tmp_path)[1][-3000:]
+        while "data: preparing" not in read_logs(out)[0]:
+            assert proc.poll() is None and time.monotonic() < deadline, read_logs(out)[1][-3000:]
             time.sleep(0.05)
         time.sleep(0.5)
         children = children_of().get(proc.pid, [])
         os.kill(proc.pid, signum)
-    stdout, stderr = logs(tmp_path)
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), proc.pid, children
+    return Run(proc.returncode, *read_logs(out), out), proc.pid, children
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_preparing_is_one_line_and_leaves_nothing_behind(long_corpus, env, tmp_path, signum):
     cache = tmp_path / "cache"
-    proc, _, children = signalled_while_preparing(long_corpus, cache, tmp_path / "out", env, tmp_path, signum)
+    proc, _, children = signalled_while_preparing(long_corpus, cache, tmp_path / "out", env, signum)
     line = one_error_line(proc, f"error: stopped by {signal.Signals(signum).name} while preparing {cache}/causal_lm-",
                           code=128 + signum)
     assert line.endswith(": nothing half written is left; the next start prepares it")
@@ -566,9 +562,8 @@ def test_a_signal_while_preparing_is_one_line_and_leaves_nothing_behind(long_cor
 
 @pytest.mark.slow
 def test_a_killed_preparer_leaves_no_process_and_the_next_start_takes_over_at_once(long_corpus, env, tmp_path):
-    cache, first = tmp_path / "cache", tmp_path / "first"
-    first.mkdir()
-    killed, pid, children = signalled_while_preparing(long_corpus, cache, tmp_path / "out", env, first, signal.SIGKILL)
+    cache = tmp_path / "cache"
+    killed, pid, children = signalled_while_preparing(long_corpus, cache, tmp_path / "out", env, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL and len(children) >= 3
     deadline = time.monotonic() + 5
     while [child for child in children if running(child)]:  # Linux's parent-death signal ends them
@@ -591,8 +586,8 @@ def test_a_killed_preparer_leaves_no_process_and_the_next_start_takes_over_at_on
 def test_the_preemption_signal_while_preparing_stops_the_run_at_its_first_step(long_corpus, env, tmp_path):
     """As the sbatch scripts start it (from a shell that ignores SIGUSR1): remembered, and honoured
     at the first step boundary with a checkpoint."""
-    proc, _, _ = signalled_while_preparing(long_corpus, tmp_path / "cache", tmp_path / "out", env, tmp_path,
-                                           signal.SIGUSR1, shell_ignores=True)
+    proc, _, _ = signalled_while_preparing(long_corpus, tmp_path / "cache", tmp_path / "out", env, signal.SIGUSR1,
+                                           shell_ignores=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(step 1 of 3), on preemption signal (SIGUSR1)" in proc.stdout
     assert (tmp_path / "out" / "checkpoints" / "step_1").is_dir()

@@ -27,16 +27,14 @@ from conftest import (
     LONG,
     Run,
     assert_same_training,
-    background_run,
-    c10d_launch_cmd,
+    c10d_agent,
     error_lines,
     fault_one_worker,
-    flag_args,
     free_port,
     last_records,
-    logs,
     max_abs_diff,
     one_error_line,
+    read_logs,
     report,
     run_entry,
     run_with_publish_hook,
@@ -264,11 +262,11 @@ def test_a_stopped_process_fails_the_job_within_the_collective_timeout_and_it_re
     flags = {**LONG, "max_steps": 80, "save_steps": 10, "resume_from_checkpoint": "auto"}
     straight = runs(entry, 2, **flags)  # the killed-rank test's uninterrupted run
     out = tmp_path / "stopped"
-    cmd = c10d_launch_cmd(entry, 1, 2, free_port(), "--max_restarts", "1") + flag_args(flags) + [
-        "--collective_timeout_s", "5", "--output_dir", str(out)]
-    with background_run(cmd, runs.env, tmp_path) as proc:
-        stopped_step, redone, resumed_after = fault_one_worker(out, proc, signal.SIGSTOP, tmp_path)
-    stdout, stderr = logs(tmp_path)
+    agent = c10d_agent(free_port(), 1, "--max_restarts", "1")
+    with run_entry(entry, 2, out, runs.env, flags, ["--collective_timeout_s", "5"], agent=agent,
+                   background=True) as proc:
+        stopped_step, redone, resumed_after = fault_one_worker(out, proc, signal.SIGSTOP)
+    stdout, stderr = read_logs(out)
     assert proc.returncode == 0, stderr[-3000:]
     lost = [line for line in stderr.splitlines() if line.startswith("error: lost contact with the other processes (")]
     assert len(lost) == 1 and "Timed out waiting 5000ms" in lost[0], stderr[-3000:]

@@ -11,7 +11,6 @@ import inspect
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -38,7 +37,6 @@ from {{ cookiecutter.project_slug }}.sharding import layer_classes
 from conftest import (
     ACCUM,
     GLOBAL_BATCH,
-    LAUNCH_TIMEOUT_S,
     ROOT,
     SLUG,
     TASK,
@@ -47,8 +45,6 @@ from conftest import (
     assert_same_training,
     cell,
     error_lines,
-    flag_args,
-    launch_cmd,
     max_abs_diff,
     max_loss_diff,
     one_error_line,
@@ -224,15 +220,12 @@ train_pytorch.main()
 """
 
 
-def wrapped_run(script: str, flags: dict, out, env: dict) -> subprocess.CompletedProcess:
+def wrapped_run(script: str, flags: dict, out, env: dict) -> Run:
     """train_pytorch on 2 processes through `script` (train_pytorch with a library call wrapped),
     written beside `out`."""
     path = out.with_name(f"{out.name}_wrapped.py")
     path.write_text(script)
-    cmd = launch_cmd("pytorch", 2)
-    cmd[-2:] = [str(path)]
-    return subprocess.run(cmd + flag_args(flags) + ["--output_dir", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    return run_entry("pytorch", 2, out, env, flags, script=(path,))
 
 
 @pytest.mark.slow
@@ -429,8 +422,9 @@ from {SLUG} import sharding
 
 {inspect.getsource(LiveBytes)}
 
-out, config_file, *flags = sys.argv[1:]
+config_file, *flags = sys.argv[1:]
 cfg = load_config(["--config", config_file, "--fsdp", "full_shard", *flags])
+out = cfg.output_dir
 env = dist_env()
 config = model_config(cfg, load_tokenizer(cfg))
 with LiveBytes() as live:
@@ -450,10 +444,7 @@ torch.save(dict(shards=shards, buffers=dict(model.named_buffers()), rng=rng, liv
 def sharded_start(runs, tmp_path, flags: dict, nproc: int = 2) -> list[dict]:
     script = tmp_path / "sharded_start.py"
     script.write_text(SHARDED_START)
-    cmd = launch_cmd("pytorch", nproc)
-    cmd[-2:] = [str(script), str(tmp_path), CONFIG]
-    proc = subprocess.run(cmd + flag_args(flags), cwd=ROOT, env=runs.env, capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT_S)
+    proc = run_entry("pytorch", nproc, tmp_path, runs.env, flags, script=(script, CONFIG))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(nproc)]
 

@@ -4,26 +4,22 @@ collective, the step and the rank that did not arrive, and a debug file per surv
 debug_distributed, which DDP on gloo cannot run, is refused before anything is written."""
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
 
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
 
-from conftest import ROOT, SLUG, error_lines, flag_args, free_port, one_error_line
+from conftest import ROOT, SLUG, Run, error_lines, free_port, one_error_line, run_entry
 
 FLAGS = {"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 6, "collective_timeout_s": 30}
 
 
-def mismatched(out, env) -> tuple[subprocess.CompletedProcess, float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "tests" / "helpers" / "collective_mismatch.py"), "1:3",
-           f"{SLUG}.train_pytorch", *flag_args(FLAGS), "--output_dir", str(out)]
+def mismatched(out, env) -> tuple[Run, float]:
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    return proc, time.monotonic() - start
+    run = run_entry("pytorch", 2, out, env, FLAGS,
+                    script=(ROOT / "tests" / "helpers" / "collective_mismatch.py", "1:3", f"{SLUG}.train_pytorch"))
+    return run, time.monotonic() - start
 
 
 def test_debug_distributed_is_a_boolean_key_off_by_default():
@@ -73,8 +69,6 @@ def test_debug_distributed_on_gloo_is_one_line_exit_2_and_no_lock(env, tmp_path)
     out = tmp_path / "out"
     worker = {**env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
               "MASTER_PORT": str(free_port()), "DIST_BACKEND": "gloo"}
-    proc = subprocess.run([sys.executable, "-m", f"{SLUG}.train_pytorch", *flag_args({**FLAGS,
-                           "debug_distributed": "true"}), "--output_dir", str(out)], cwd=ROOT, env=worker,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_entry("pytorch", 1, out, worker, {**FLAGS, "debug_distributed": "true"})
     one_error_line(proc, "error: debug_distributed with DDP on gloo (no GPU here, or DIST_BACKEND=gloo): torch ")
     assert not out.exists()

@@ -23,7 +23,6 @@ from conftest import (
     ENTRIES,
     ROOT,
     free_port,
-    launch_cmd,
     one_error_line,
     run_entry,
 )
@@ -330,8 +329,7 @@ def test_a_process_late_for_the_group_is_one_line_naming_the_wait_that_ran_out(m
 
 @pytest.mark.slow
 def test_a_bad_launch_variable_is_one_line_before_any_waiting(env, tmp_path):
-    proc = subprocess.run(launch_cmd(ENTRIES[0], 1) + ["--report_to", "none", "--output_dir", str(tmp_path / "o")],
-                          cwd=ROOT, env={**env, "WORLD_SIZE": "2"}, capture_output=True, text=True, timeout=120)
+    proc = run_entry(ENTRIES[0], 1, tmp_path / "o", {**env, "WORLD_SIZE": "2"})
     one_error_line(proc, "RANK is not set, but WORLD_SIZE is 2: start the processes with torchrun")
 
 
@@ -343,9 +341,7 @@ def test_missing_processes_end_with_one_line_after_the_rendezvous_timeout(env, t
     its only line (no C++ stack dump of torch's retries before it)."""
     port = free_port()
     env = {**env, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": str(port)}
-    cmd = launch_cmd(ENTRIES[0], 1) + ["--report_to", "none", "--rendezvous_timeout_s", "3",
-                                       "--output_dir", str(tmp_path / "o")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_entry(ENTRIES[0], 1, tmp_path / "o", env, {"rendezvous_timeout_s": 3})
     one_error_line(proc, f"error: rank {rank} waited 3 s for the 2 processes of this job at 127.0.0.1:{port}", code=1,
                    alone=True)
 

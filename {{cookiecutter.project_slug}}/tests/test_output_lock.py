@@ -1,6 +1,7 @@
 """One job per run folder: output_dir/.lock names the holder; a second job is refused, the same job
 restarted takes over at once, a holder that is gone is taken over with one line."""
 
+import contextlib
 import errno
 import json
 import os
@@ -20,14 +21,12 @@ from conftest import (
     ENTRIES,
     LAUNCH_TIMEOUT_S,
     LONG,
-    ROOT,
-    background_run,
-    c10d_launch_cmd,
+    c10d_agent,
     error_lines,
-    flag_args,
     free_port,
-    launch_cmd,
     one_error_line,
+    read_logs,
+    run_entry,
     signal_process_tree,
     wait_for_step,
 )
@@ -217,12 +216,10 @@ def test_a_second_job_is_refused_and_a_killed_jobs_lock_is_taken_over(env, tmp_p
     nothing of its records; once the first is killed (kill -9, the lock left behind), the next job
     takes the folder over with one line, and leaves no lock when it ends."""
     out = tmp_path / "run"
-    cmd = launch_cmd(ENTRIES[0], 1) + ["--output_dir", str(out)]
-    with background_run(cmd + flag_args({**LONG, "max_steps": 5000}), env, tmp_path) as first:
+    with run_entry(ENTRIES[0], 1, out, env, {**LONG, "max_steps": 5000}, background=True) as first:
         wait_for_step(out, first, 2)
         holder = json.loads((out / ".lock").read_text())
-        second = subprocess.run(cmd + flag_args({**LONG, "max_steps": 3}), cwd=ROOT, env=env, capture_output=True,
-                                text=True, timeout=LAUNCH_TIMEOUT_S)
+        second = run_entry(ENTRIES[0], 1, out, env, {**LONG, "max_steps": 3})
         one_error_line(second, f"error: output_dir {out} is in use by another job (host {socket.gethostname()}, "
                                f"pid {holder['pid']}, since ")
         steps = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
@@ -231,8 +228,7 @@ def test_a_second_job_is_refused_and_a_killed_jobs_lock_is_taken_over(env, tmp_p
         signal_process_tree(first.pid, 9)
         first.wait(timeout=LAUNCH_TIMEOUT_S)
     assert json.loads((out / ".lock").read_text())["pid"] == holder["pid"]
-    third = subprocess.run(cmd + flag_args({**LONG, "max_steps": 3}), cwd=ROOT, env=env, capture_output=True,
-                           text=True, timeout=LAUNCH_TIMEOUT_S)
+    third = run_entry(ENTRIES[0], 1, out, env, {**LONG, "max_steps": 3})
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"note: output_dir {out} was held by a job that is gone (host {socket.gethostname()}, pid " \
            f"{holder['pid']}" in third.stdout
@@ -248,16 +244,14 @@ def test_an_output_dir_the_nodes_do_not_share_is_one_line_on_each(env, tmp_path)
     out, local = tmp_path / "out", tmp_path / "node_local"
     out.mkdir(), local.mkdir()
     port = free_port()
-    agents = []
+    local_mount = ("unshare", "-m", "sh", "-c", f'mount --bind {local} {out} && exec "$@"', "sh")
+    with contextlib.ExitStack() as agents:
+        for node_rank, under in enumerate(((), local_mount)):
+            agent = c10d_agent(port, 2, "--node_rank", str(node_rank), "--rdzv_id", "local")
+            agents.enter_context(run_entry(ENTRIES[0], 1, out, env, {"max_steps": 2}, agent=agent, under=under,
+                                           background=True, logs=tmp_path / f"node{node_rank}"))
     for node_rank in (0, 1):
-        cmd = [*c10d_launch_cmd(ENTRIES[0], 2, 1, port, "--node_rank", str(node_rank), "--rdzv_id", "local"),
-               "--max_steps", "2", "--output_dir", str(out)]
-        if node_rank:
-            cmd = ["unshare", "-m", "sh", "-c", f'mount --bind {local} {out} && exec "$@"', "sh", *cmd]
-        agents.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                       text=True))
-    logs = [agent.communicate(timeout=LAUNCH_TIMEOUT_S)[1] for agent in agents]
-    for log in logs:
+        log = read_logs(tmp_path / f"node{node_rank}")[1]
         assert error_lines(log) == [f"error: output_dir {out} is not shared between the nodes of this job: 1 of 2 "
                                     "processes do not see rank 0's files in it; use a folder on a file system "
                                     "every node mounts"], log[-3000:]

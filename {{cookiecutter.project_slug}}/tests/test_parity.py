@@ -9,6 +9,7 @@ a stopped job resumes exactly. Tolerances: conftest.TOLERANCES; measured numbers
 section at the end of the pytest output.
 """
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -30,7 +31,6 @@ from conftest import (
     ENTRIES,
     GLOBAL_BATCH,
     GPUS,
-    LAUNCH_TIMEOUT_S,
     MATRIX,
     MIXED_PRECISION,
     ROOT,
@@ -38,12 +38,12 @@ from conftest import (
     TASK,
     TOL,
     Run,
-    c10d_launch_cmd,
+    c10d_agent,
     cell,
-    flag_args,
     free_port,
     max_abs_diff,
     max_loss_diff,
+    read_logs,
     report,
     run_entry,
     short_windows,
@@ -138,13 +138,13 @@ def test_two_torchrun_agents_train_like_one_node(runs, entry, tmp_path):
     on 127.0.0.1, as scripts/slurm/torchrun.sbatch starts them, and train like one node of 2."""
     one_node = cell(runs, entry, 2, 4)
     port, out = free_port(), tmp_path / "two_nodes"
-    agents = [subprocess.Popen(
-        [*c10d_launch_cmd(entry, 2, 1, port, "--node_rank", str(node_rank), "--rdzv_id", "two-nodes"),
-         *flag_args({"micro_batch_size": 2, **MATRIX}), "--output_dir", str(out)],
-        cwd=ROOT, env=runs.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node_rank in (0, 1)]
-    logs = [agent.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for agent in agents]
-    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(log[-2000:] for log in logs)
-    two_nodes = Run(0, logs[0], "", out)
+    with contextlib.ExitStack() as stack:
+        agents = [stack.enter_context(run_entry(
+            entry, 1, out, runs.env, {"micro_batch_size": 2, **MATRIX}, background=True, logs=tmp_path / f"node{rank}",
+            agent=c10d_agent(port, 2, "--node_rank", str(rank), "--rdzv_id", "two-nodes"))) for rank in (0, 1)]
+    logs = [read_logs(tmp_path / f"node{rank}") for rank in (0, 1)]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(stderr[-2000:] for _, stderr in logs)
+    two_nodes = Run(0, *logs[0], out)
     assert [(r["world_size"], r["micro_steps"]) for r in two_nodes.steps] == [(2, 4)] * 8
     diff = max_abs_diff(two_nodes.params(), one_node.params())
     report(f"two torchrun agents x 1 process vs one node x 2 processes ({entry}): max |param diff| {diff:.3g}, "

@@ -1,19 +1,16 @@
 """What is particular to the plain-PyTorch entry point (the shared behaviour is in test_parity)."""
 
-import subprocess
-
 import pytest
 import torch
 
 from {{ cookiecutter.project_slug }}.checkpoint import load_rng, save_rng
 
-from conftest import ROOT, launch_cmd, one_error_line
+from conftest import one_error_line, run_entry
 
 
 @pytest.mark.slow
 def test_pytorch_entry_refuses_deepspeed(env, tmp_path):
-    cmd = launch_cmd("pytorch", 1) + ["--deepspeed", "configs/deepspeed/zero2.json", "--output_dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    proc = run_entry("pytorch", 1, tmp_path / "out", env, extra=["--deepspeed", "configs/deepspeed/zero2.json"])
     one_error_line(proc, "error: train_pytorch does not run DeepSpeed; use train_accelerate or train_trainer with "
                          "--deepspeed, or drop --deepspeed", exact=True)
 

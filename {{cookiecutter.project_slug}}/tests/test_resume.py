@@ -16,25 +16,23 @@ import pytest
 from conftest import (
     ACCUM,
     ENTRIES,
-    LAUNCH_TIMEOUT_S,
+    IGNORING_USR1,
     LONG,
-    ROOT,
     TOL,
     Run,
     assert_same_training,
     background_run,
-    c10d_launch_cmd,
+    c10d_agent,
     children_of,
     dropped_steps,
     fault_one_worker,
     flag_args,
     free_port,
     last_records,
-    launch_cmd,
-    logs,
     max_abs_diff,
     max_loss_diff,
     one_error_line,
+    read_logs,
     report,
     run_entry,
     run_with_publish_hook,
@@ -118,12 +116,10 @@ def test_resume_into_a_new_epoch_is_exact(runs, entry, small_dataset, tmp_path):
 def test_preemption_signal_checkpoints_and_the_job_continues(entry, env, tmp_path):
     out = tmp_path / "preempted"
     # As in scripts/slurm/common.sh: the launcher ignores the signal, the training processes handle it.
-    cmd = ["bash", "-c", "trap '' USR1; exec \"$@\"", "bash", *launch_cmd(entry, 2), *flag_args(LONG),
-           "--output_dir", str(out)]
-    with background_run(cmd, env, tmp_path) as proc:
+    with run_entry(entry, 2, out, env, LONG, under=IGNORING_USR1, background=True) as proc:
         wait_for_step(out, proc, 2)
         signal_process_tree(proc.pid, signal.SIGUSR1)  # every process of the job, launcher included
-    stdout, stderr = logs(tmp_path)
+    stdout, stderr = read_logs(out)
     assert proc.returncode == 0, stderr[-3000:]
     steps = [r["step"] for r in Run(0, "", "", out).steps]
     stopped = steps[-1]
@@ -149,12 +145,12 @@ def test_sigterm_to_the_workers_checkpoints_exits_143_and_the_job_resumes_exactl
     out = tmp_path / "terminated"
     cmd = ["scripts/train_local.sh", *flag_args(flags), "--output_dir", str(out)]
     env = {**runs.env, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "ENTRY": entry}
-    with background_run(cmd, env, tmp_path) as proc:
+    with background_run(cmd, env, out) as proc:
         wait_for_step(out, proc, 2)
         workers = children_of()[proc.pid]  # train_local.sh execs torchrun: its children are the workers
         for worker in workers:
             os.kill(worker, signal.SIGTERM)
-    stdout, stderr = logs(tmp_path)
+    stdout, stderr = read_logs(out)
     assert len(workers) == 2, stderr[-3000:]
     one_error_line(subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), "error: ranks 0, 1 stopped by "
                    "SIGTERM; a restart resumes from the newest checkpoint", code=143, exact=True)
@@ -180,10 +176,10 @@ def test_killed_rank_restarts_from_the_last_checkpoint(runs, entry, tmp_path):
     out = tmp_path / "crashed"
     # c10d rendezvous, as scripts/slurm/torchrun.sbatch uses (the static one works too: the restarted
     # workers' rendezvous keys are kept apart from the killed ones', distributed.init_distributed)
-    cmd = c10d_launch_cmd(entry, 1, 2, free_port(), "--max_restarts", "1")
-    with background_run(cmd + flag_args(flags) + ["--output_dir", str(out)], runs.env, tmp_path) as proc:
-        killed_step, redone, resumed_after = fault_one_worker(out, proc, signal.SIGKILL, tmp_path)
-    stdout, stderr = logs(tmp_path)
+    agent = c10d_agent(free_port(), 1, "--max_restarts", "1")
+    with run_entry(entry, 2, out, runs.env, flags, agent=agent, background=True) as proc:
+        killed_step, redone, resumed_after = fault_one_worker(out, proc, signal.SIGKILL)
+    stdout, stderr = read_logs(out)
     assert proc.returncode == 0, stderr[-3000:]
     resumed_from = int(re.search(r"resuming after step (\d+)", stdout)[1])
     assert resumed_from >= 10 and redone["step"] == resumed_from + 1
@@ -227,8 +223,7 @@ def test_damaged_checkpoint_is_one_line(env, tmp_path):
     out = tmp_path / "out"
     (out / "checkpoints" / "step_4").mkdir(parents=True)
     (out / "checkpoints" / "step_4" / "state.json").write_text("{not json")
-    cmd = launch_cmd(ENTRIES[0], 1) + flag_args({"resume_from_checkpoint": "auto"}) + ["--output_dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = run_entry(ENTRIES[0], 1, out, env, {"resume_from_checkpoint": "auto"})
     one_error_line(proc, f"error: checkpoint {out / 'checkpoints' / 'step_4'} is unreadable")
 
 

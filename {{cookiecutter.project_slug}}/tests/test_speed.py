@@ -4,8 +4,6 @@ last window and a filler micro-batch recompile nothing); the MFU every record ca
 optimizer step waits on the device once (helpers/sync_counting.py counts)."""
 
 import json
-import subprocess
-import sys
 from collections import Counter
 
 import numpy as np
@@ -28,14 +26,12 @@ from {{ cookiecutter.project_slug }}.windows import WindowSampler, plan_batches
 from conftest import (
     ACCUM,
     ENTRIES,
-    LAUNCH_TIMEOUT_S,
     ROOT,
     SLUG,
     TASK,
     TOL,
     cell,
     flag_args,
-    free_port,
     max_abs_diff,
     max_loss_diff,
     report,
@@ -187,10 +183,8 @@ TRAINER_COLLECTIVES = {"accelerate/utils/operations.py:_gpu_gather_one",
 
 def counted_steps(entry: str, out, env: dict, flags: dict) -> list[dict]:
     """Rank 0's per-step counts of 2 processes of `entry` under helpers/sync_counting.py."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "tests" / "helpers" / "sync_counting.py"), str(out / "counts"),
-           f"{SLUG}.train_{entry}", *flag_args(flags), "--output_dir", str(out / "run")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = run_entry(entry, 2, out / "run", env, flags, script=(ROOT / "tests" / "helpers" / "sync_counting.py",
+                                                                 out / "counts", f"{SLUG}.train_{entry}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "counts.rank0.json").read_text())
 
