@@ -60,7 +60,7 @@ def baked(cookies_session):
     return bake
 
 
-GENERATED_SUITE_TIMEOUT_S = 3600  # the default bake's slow tier: about 25 minutes on a 2-core VM beside the rest
+GENERATED_SUITE_TIMEOUT_S = 3600  # every extra's whole suite: about 40 minutes on a 2-core VM beside the rest
 
 # The task only sets the generated config's default. The whole suite of the bake with every extra
 # runs here (both tiers: the extras' tests and the core's); the default bake (the core alone) runs
@@ -68,10 +68,13 @@ GENERATED_SUITE_TIMEOUT_S = 3600  # the default bake's slow tier: about 25 minut
 # sequence_classification bake, for its loss (the mean over examples), in the 1x1 and 2x4 cells
 # (2x4 holds both data parallelism and accumulation; 1x4 and 2x1 are the other bake's), less what
 # does not depend on the task: two torchrun agents, sync counts, the lr of every cell, and the packed
-# cells (causal_lm's). Both in 2 pytest-xdist workers, as the project's Makefile runs its tests, the
-# tests handed out one by one and taken over by an idle worker (worksteal: modules differ tenfold).
+# cells (causal_lm's). The latter in 2 pytest-xdist workers, as the project's Makefile runs its tests;
+# the former, the longest path of the run, in 3: most of its tests wait on processes they start (a
+# timeout, a restart, a rendezvous), and once the template's other tests are done 2 workers left a
+# core idle. Its tests are handed out one by one and taken over by an idle worker (worksteal:
+# modules differ tenfold).
 SUITE_ANSWERS = {"causal_lm": {"extras": "all"}, "sequence_classification": {}}
-TASK_SUITES = {"causal_lm": ["-n", "2", "--dist", "worksteal"],
+TASK_SUITES = {"causal_lm": ["-n", "3", "--dist", "worksteal"],
                "sequence_classification": ["-n", "2", "tests/test_parity.py", "-k", "not two_torchrun_agents and not "
                                            "ddp_syncs and not learning_rate and not packed and not 1x4 and not 2x1"]}
 # The longest of them mostly waits on a few processes: it starts as soon as the tests are collected
