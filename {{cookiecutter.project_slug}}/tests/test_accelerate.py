@@ -10,8 +10,10 @@ import textwrap
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
+{%- if cookiecutter.deepspeed_stage != 'none' %}
 
 from {{ cookiecutter.project_slug }}.config import load_config
+{%- endif %}
 
 from conftest import (
     ROOT,

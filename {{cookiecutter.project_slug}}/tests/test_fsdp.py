@@ -407,7 +407,8 @@ class LiveBytes(TorchDispatchMode):
 # parameter's shard with where it lies in the whole tensor, the buffers, the random state after it,
 # and the most bytes of host tensors alive at once while it was built (LiveBytes); then its weights
 # written as final_model/'s, with the most bytes of host tensors alive at once while they were
-SHARDED_START = f"""import sys
+SHARDED_START = f"""import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 import torch
@@ -433,27 +434,39 @@ model = built.model
 shards = dict((name, (param.to_local().clone(), [(s.start, s.stop) for s in sharding.local_slice(param)]))
               for name, param in model.named_parameters())
 rng = torch.get_rng_state()
+sharding.MAX_WEIGHTS_FILE_BYTES = int(os.environ.get("MAX_WEIGHTS_FILE_BYTES", sharding.MAX_WEIGHTS_FILE_BYTES))
+given = []  # what the writer of the rest (save_pretrained, on rank 0) gets: an empty dict where the weights stream
+
+
+def write(folder, state_dict):
+    given.append(state_dict)
+    if env.rank == 0:
+        model.save_pretrained(folder, state_dict=state_dict)
+
+
 with LiveBytes() as saving:
-    gathered = built.write_weights(Path(out) / "final")
+    built.write_weights(Path(out) / "final", write)
 torch.save(dict(shards=shards, buffers=dict(model.named_buffers()), rng=rng, live_peak=live.peak,
-                tied=model.lm_head.weight is model.get_input_embeddings().weight, gathered=gathered,
+                tied=model.lm_head.weight is model.get_input_embeddings().weight, given=given,
                 saving_peak=saving.peak), Path(out) / ("rank%d.pt" % env.rank))
 """
 
 
-def sharded_start(runs, tmp_path, flags: dict, nproc: int = 2) -> list[dict]:
+def sharded_start(runs, tmp_path, flags: dict, nproc: int = 2, max_file_bytes: int | None = None) -> list[dict]:
     script = tmp_path / "sharded_start.py"
     script.write_text(SHARDED_START)
-    proc = run_entry("pytorch", nproc, tmp_path, runs.env, flags, script=(script, CONFIG))
+    env = {**runs.env, **({"MAX_WEIGHTS_FILE_BYTES": str(max_file_bytes)} if max_file_bytes else {})}
+    proc = run_entry("pytorch", nproc, tmp_path, env, flags, script=(script, CONFIG))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(nproc)]
 
 
-def assert_same_start(ranks: list[dict], whole: torch.nn.Module, final: Path) -> None:
+def assert_same_start(ranks: list[dict], whole: torch.nn.Module, final: Path, indexed: bool = False) -> None:
     """Each process's shards are its slices of the unsharded start's parameters, bitwise; they cover
-    every parameter once; the buffers are the same; the tied head is the embedding. The weights
-    written for final_model/ are the whole parameters, under save_pretrained's names (a tied one
-    once), with no process holding them all at once."""
+    every parameter once; the buffers are the same; the tied head is the embedding. final_model/'s
+    weights are the whole parameters (in several files with their index where `indexed`), as
+    save_pretrained names them (a tied one once), written with no process holding them all at
+    once; from_pretrained loads them."""
     params = dict(whole.named_parameters())
     for rank in ranks:
         assert set(rank["shards"]) == set(params)
@@ -464,14 +477,19 @@ def assert_same_start(ranks: list[dict], whole: torch.nn.Module, final: Path) ->
         assert rank["tied"] == (whole.lm_head.weight is whole.get_input_embeddings().weight)
     for name, param in params.items():
         assert sum(rank["shards"][name][0].numel() for rank in ranks) == param.numel(), name
-    written = load_file(final / "model.safetensors")
+    index = final / "model.safetensors.index.json"
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if indexed else ["model.safetensors"]
+    assert len(names) > 1 if indexed else not index.exists()
+    assert not (final / "sharded").exists()
+    written = {name: value for file in names for name, value in load_file(final / file).items()}
     assert written.keys() == params.keys() and all(torch.equal(written[name], params[name]) for name in params)
-    assert not (final / "sharded").exists() and not (final / "model.safetensors.index.json").exists()
+    loaded = dict(type(whole).from_pretrained(final).named_parameters())
+    assert all(torch.equal(loaded[name], params[name]) for name in params)
     model_bytes = sum(p.numel() * p.element_size() for p in params.values())
     saving = [rank["saving_peak"] / model_bytes for rank in ranks]
-    report(f"final_model/ of a sharded model on {len(ranks)} processes: host tensors alive at once "
-           f"{max(saving):.2f} x the model")
-    assert all(rank["gathered"] == {} for rank in ranks) and max(saving) < 0.75
+    report(f"final_model/ of a sharded model on {len(ranks)} processes, {len(names)} file(s): host tensors alive "
+           f"at once {max(saving):.2f} x the model")
+    assert all(rank["given"] == [{}] for rank in ranks) and max(saving) < 0.75
 
 
 def test_the_sharded_start_is_the_unsharded_start_and_no_process_holds_the_whole_model(runs, tmp_path):
@@ -497,7 +515,8 @@ def test_the_sharded_start_is_the_unsharded_start_and_no_process_holds_the_whole
 
 def test_a_pretrained_folder_starts_sharded_from_slices_of_its_files(runs, tmp_path):
     """A GPT-2 folder (Conv1D, tied head) written in two safetensors files with an index: each
-    process reads its slices only; the same parameters as from_pretrained's whole load."""
+    process reads its slices only; the same parameters as from_pretrained's whole load. Its
+    final_model/ weights, in files of at most 100 kB, come with their index."""
     cfg = load_config(["--config", CONFIG])
     tokenizer = load_tokenizer(cfg)
     config = GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=128,
@@ -507,6 +526,6 @@ def test_a_pretrained_folder_starts_sharded_from_slices_of_its_files(runs, tmp_p
     GPT2LMHeadModel(config).save_pretrained(folder, max_shard_size="100KB")
     tokenizer.save_pretrained(folder)
     assert (folder / "model.safetensors.index.json").is_file()
-    ranks = sharded_start(runs, tmp_path, {"model_name_or_path": str(folder)})
+    ranks = sharded_start(runs, tmp_path, {"model_name_or_path": str(folder)}, max_file_bytes=100_000)
     cfg = load_config(["--config", CONFIG, "--fsdp", "full_shard", "--model_name_or_path", str(folder)])
-    assert_same_start(ranks, build_model(cfg, model_config(cfg, load_tokenizer(cfg))), tmp_path / "final")
+    assert_same_start(ranks, build_model(cfg, model_config(cfg, load_tokenizer(cfg))), tmp_path / "final", indexed=True)

@@ -226,15 +226,14 @@ class Session:
         self.finish_checkpoint()
         write_final(self.cfg, self.env, write, self.state(self.step))
 
-    def save_model(self, model, write_weights: Callable[[Path], dict] | None = None) -> None:
-        """final_model/ from the unwrapped model; a sharded one's weights by `write_weights` on every process."""
-        def write(folder: Path) -> None:
-            state_dict = write_weights(folder) if write_weights else None
+    def save_model(self, model, write_weights: Callable | None = None) -> None:
+        """final_model/ from the unwrapped model; a sharded one's by `write_weights(folder, write)` on every process."""
+        def write(folder: Path, state_dict: dict | None = None) -> None:
             if self.env.is_main_process:
                 save_weights(model, folder, self.cfg, self.run.model_config, state_dict)
                 self.run.tokenizer.save_pretrained(folder)
 
-        self.save_final(write)
+        self.save_final(write if write_weights is None else lambda folder: write_weights(folder, write))
 
     def done(self) -> None:
         """The run's last words, once the model is saved in final_model/."""

@@ -194,14 +194,16 @@ class Sharded:
             torch.save(training, folder / "training_state.pt")
         return written
 
-    def write_weights(self, folder: Path) -> dict:
-        """final_model/'s weights, on every process: written into `folder` by them all, no process
-        holding the whole model ({}), or, for LoRA's adapters and weights that save_pretrained renames,
-        the whole state gathered for rank 0 to write."""
+    def write_weights(self, folder: Path, write: Callable[[Path, dict], None]) -> None:
+        """final_model/, on every process: `write` (rank 0's save_pretrained) given the whole state
+        gathered, for LoRA's adapters and weights that save_pretrained renames; else given none ({}:
+        first, as it clears numbered weight files from its folder), the weights then written by every
+        process, no process holding the whole model."""
         if self.lora or not saved_under_own_names(self.model, self.model.state_dict()):
-            return whole_model_state(self.model)
-        save_whole_weights(self.model, folder, self.env)
-        return {}
+            write(folder, whole_model_state(self.model))
+        else:
+            write(folder, {})
+            save_whole_weights(self.model, folder, self.env)
 
 
 def sharded(run) -> Sharded | None:
