@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def write(key: str, value) -> None:
         result[key] = value
-        (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+        part = out / "gpu_check.json.part"
+        part.write_text(json.dumps(result, indent=2) + "\n")
+        part.replace(out / "gpu_check.json")  # whole at every moment: a reader never finds it half written
 
     def section(key: str, measure) -> None:
         """write(key, measure(budget)), or what it measured before its budget was spent, and that it stopped."""
