@@ -164,7 +164,8 @@ class Sharded:
         # a sharded start, but for a model_factory's model (its own code), LoRA's adapters (peft draws them,
         # not the model's init) and a model whose weights are not in local safetensors files (a hub name,
         # .bin files): built whole, as the unsharded start
-        on_meta = files is not None and not cfg.model_factory and not getattr(cfg, "lora_r", 0)
+        self.lora = bool(getattr(cfg, "lora_r", 0))
+        on_meta = files is not None and not cfg.model_factory and not self.lora
         model = build_on_meta(cfg, run.model_config) if on_meta else None
         if on_meta and files and not held_by(files, model):  # names transformers converts on load: built whole
             on_meta = False
@@ -179,7 +180,7 @@ class Sharded:
         if on_meta:
             initialize_shards(self.model)
         self.counter = CollectiveCounter(self.model, hybrid=cfg.fsdp == "hybrid_shard")
-        self.env, self.lora = env, bool(getattr(cfg, "lora_r", 0))
+        self.env = env
         self.background = dist.new_group(backend="gloo") if cfg.async_checkpoint else None  # save_sharded's
 
     @cached_property
