@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from {{ cookiecutter.project_slug }}.config import TrainConfig, load_config
+from {{ cookiecutter.project_slug }}.distributed import free_port  # noqa: F401 (the benchmarks' ports, from here)
 from {{ cookiecutter.project_slug }}.model import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,12 +111,6 @@ def write_corpus(folder: Path, documents: int, seed: int = 0) -> int:
                 texts = np.split(picks, np.cumsum(lengths)[:-1])
                 f.write("".join(json.dumps({"text": " ".join(t)}) + "\n" for t in texts))
     return sum(p.stat().st_size for p in folder.iterdir())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def subprocess_env() -> dict:

@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,8 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+
+from {{ cookiecutter.project_slug }}.distributed import free_port  # noqa: F401 (the tests' ports, from here)
 
 from helpers.fork_launcher import ForkLauncher
 
@@ -140,12 +141,6 @@ def assert_one_stream(sampler_class, n: int, plan, batch_at, accum_at) -> int:
             offset, step = offset + size, step + 1
         assert offset == n
     return step
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -225,6 +225,16 @@ def test_a_missing_local_folder_as_the_model_is_named_as_a_folder_not_a_hub_name
                               "a local folder, or a hub name such as org/model")
 
 
+def test_a_folder_without_a_saved_model_is_named_as_such(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model")
+    cfg = load_config(["--config", CONFIG, "--model_name_or_path", str(tmp_path)])
+    with pytest.raises(ConfigError) as err:
+        load_tokenizer(cfg)
+    assert str(err.value) == (f"model folder {str(tmp_path)!r} holds no config.json or tokenizer files: it is no "
+                              "save_pretrained() folder; use model_name_or_path: tiny, a saved model's folder, or a hub "
+                              "name")
+
+
 def test_max_seq_len_must_leave_room_for_text():
     cfg = load_config(["--config", CONFIG, "--max_seq_len", "2"])
     with pytest.raises(ConfigError, match="max_seq_len 2 leaves no room for text: the tokenizer adds 2 special"):

@@ -293,11 +293,9 @@ def yaml_mapping(path: str, kind: str, advice: str, holds: str) -> dict:
 
 def _read_yaml(path: str) -> dict:
     values = yaml_mapping(path, "config file", "pass --config PATH to a YAML file", "keys to values")
-    unknown = sorted(set(map(str, values)) - set(_FIELDS))
-    if unknown:
+    if unknown := sorted(set(map(str, values)) - set(_FIELDS)):
         raise unknown_keys(unknown, f" in {path}")
-    empty = sorted(str(key) for key, value in values.items() if value is None)
-    if empty:
+    if empty := sorted(str(key) for key, value in values.items() if value is None):
         raise ConfigError(f"key(s) {', '.join(empty)} in {path} have no value (YAML null); give one, or leave the "
                           "key out for its default")
     return values

@@ -48,6 +48,9 @@ def _hub_error(name: str, err: Exception) -> ConfigError:
     if not p.expanduser().exists() and (name.startswith(("/", ".", "~")) or name.count("/") > 1):  # no hub name
         return ConfigError(f"model folder {name!r} does not exist; use model_name_or_path: tiny, a local folder, or a "
                            "hub name such as org/model")
+    if p.is_dir() and not any((p / file).is_file() for file in ("config.json", "tokenizer.json", "tokenizer_config.json")):
+        return ConfigError(f"model folder {name!r} holds no config.json or tokenizer files: it is no save_pretrained() "
+                           "folder; use model_name_or_path: tiny, a saved model's folder, or a hub name")
     where = "local path" if p.exists() else "model"
     return ConfigError(f"cannot load {where} {name!r} ({first_line(err)}); use model_name_or_path: tiny, a local path, "
                        "or a hub name while the hub is reachable")

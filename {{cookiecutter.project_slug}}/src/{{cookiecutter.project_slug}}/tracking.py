@@ -42,14 +42,6 @@ def check_wandb(cfg: TrainConfig) -> None:
                           "`wandb login`); log in, or set WANDB_MODE=offline and upload later with `wandb sync`")
 
 
-def _count(value: float) -> str:
-    """41234.5 -> 41.2k: a rate at a glance."""
-    for size, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if value >= size:
-            return f"{value / size:.1f}{suffix}"
-    return f"{value:.0f}"
-
-
 def _duration(seconds: float) -> str:
     """3725 -> 1h02m, 200 -> 3m20s, 45 -> 45s."""
     seconds = int(round(seconds))
@@ -83,7 +75,8 @@ class Progress:
                  "loss nan", f"lr {record['lr']:.2e}", f"grad_norm {grad_norm:.2f}" if grad_norm is not None else
                  "grad_norm nan"]
         if seconds > 0:
-            parts += [f"{_count(tokens / seconds)} tok/s", f"eta {_duration((self.total - step) * seconds / steps)}"]
+            parts += [f"{tqdm.format_sizeof(tokens / seconds)} tok/s",  # 41234.5 -> 41.2k
+                      f"eta {_duration((self.total - step) * seconds / steps)}"]
         for key, name, spec in (("mfu", "mfu", ".1%"), ("grad_noise_scale", "gns", ".3g"),
                                 ("grad_sync_calls", "syncs", "")):
             if key in record:
