@@ -385,6 +385,7 @@ def test_numbered_shards_are_read_together_in_order(corpus, tmp_path, names):
     (["train.00.jsonl", "train.02.jsonl"], "has the train shards train.00.jsonl, train.02.jsonl, not numbered "
                                            "without gaps (shard 1 is missing)"),
     (["train-00000-of-00003.jsonl", "train-00001-of-00003.jsonl"], "(shard 2 is missing)"),
+    ([f"train-{i:05d}-of-00002.jsonl" for i in range(3)], "(shard 2 is beyond the 2 its name counts)"),
     (["train.1.jsonl", "train.01.jsonl", "train.2.jsonl"], "(shard 1 twice)"),
 ])
 def test_an_ambiguous_split_is_one_line_naming_its_files(corpus, tmp_path, names, expected):

@@ -231,8 +231,8 @@ def test_a_folder_without_a_saved_model_is_named_as_such(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_tokenizer(cfg)
     assert str(err.value) == (f"model folder {str(tmp_path)!r} holds no config.json or tokenizer files: it is no "
-                              "save_pretrained() folder; use model_name_or_path: tiny, a saved model's folder, or a hub "
-                              "name")
+                              "save_pretrained() folder; use model_name_or_path: tiny, a saved model's folder, or a "
+                              "hub name")
 
 
 def test_max_seq_len_must_leave_room_for_text():

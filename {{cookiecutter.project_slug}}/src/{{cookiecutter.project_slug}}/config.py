@@ -199,8 +199,7 @@ def unknown_keys(names: list[str], where: str, text: str = "") -> ConfigError:
     not know; a key or flag of an extra it was baked without names the extra."""
     extra = next((name for name in names if extras.owner(name)), None)
     if extra is not None:
-        what = f"key {extra}{where}" if where else f"flag --{extra}"
-        return ConfigError(extras.not_baked(what, extras.owner(extra)))
+        return ConfigError(extras.not_baked(f"key {extra}{where}" if where else f"flag --{extra}", extras.owner(extra)))
     if where:
         return ConfigError(f"unknown key(s) {', '.join(names)}{where}; known keys: {', '.join(sorted(_FIELDS))}")
     return ConfigError(f"unknown flag(s) {text}; run with --help for the list")
@@ -259,13 +258,12 @@ def _field_value(key: str, value) -> str:
     """A YAML value as the flag text argparse parses (and type-checks) like a typed flag."""
     if isinstance(value, (dict, list)):
         raise ConfigError(f"key {key!r} must be a single value, got {value!r}")
-    if isinstance(value, bool):
-        choices = getattr(_FIELDS[key].type, "__args__", ())
-        if _FIELDS[key].type is not bool and not (value is False and "no" in choices):
-            raise ConfigError(f"key {key!r} got the YAML boolean {str(value).lower()}; quote the value you mean")
+    if isinstance(value, bool) and _FIELDS[key].type is not bool:
         # YAML 1.1 reads an unquoted `no` as false: `mixed_precision: no` means "no"
-        return "no" if _FIELDS[key].type is not bool else str(value).lower()
-    return str(value)
+        if value is False and "no" in getattr(_FIELDS[key].type, "__args__", ()):
+            return "no"
+        raise ConfigError(f"key {key!r} got the YAML boolean {str(value).lower()}; quote the value you mean")
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def as_flags(values: dict) -> list[str]:

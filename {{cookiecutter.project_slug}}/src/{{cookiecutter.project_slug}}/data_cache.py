@@ -147,8 +147,7 @@ class PreparationLock:
             raise ConfigError(f"data_cache_dir {self.path.parent} cannot be written to ({err.strerror}); choose a "
                               "folder you can write to") from None
         with os.fdopen(descriptor, "w") as f:
-            pid = os.getpid()
-            f.write(json.dumps({"host": socket.gethostname(), "pid": pid, "started": process_started(pid)}))
+            json.dump({"host": socket.gethostname(), "pid": os.getpid(), "started": process_started(os.getpid())}, f)
         self.held.set()
         threading.Thread(target=self._beat, daemon=True).start()
         self.error.unlink(missing_ok=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
@@ -265,9 +266,7 @@ class GradSyncCounter:
     step: DDP would never reduce that parameter's bucket, and the step would apply gradients that differ by rank."""
 
     def __init__(self, ddp_model) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        self.calls, self._allreduce = 0, default_hooks.allreduce_hook
+        self.calls = 0
         ddp_model.register_comm_hook(None, self.hook)
         if not ddp_model.find_unused_parameters:
             self._refuse_unused(ddp_model)
@@ -296,7 +295,7 @@ class GradSyncCounter:
 
     def hook(self, state, bucket):
         self.calls += 1
-        return self._allreduce(state, bucket)
+        return allreduce_hook(state, bucket)
 
     def take(self) -> int:
         calls, self.calls = self.calls, 0

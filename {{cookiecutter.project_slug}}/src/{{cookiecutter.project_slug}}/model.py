@@ -48,7 +48,7 @@ def _hub_error(name: str, err: Exception) -> ConfigError:
     if not p.expanduser().exists() and (name.startswith(("/", ".", "~")) or name.count("/") > 1):  # no hub name
         return ConfigError(f"model folder {name!r} does not exist; use model_name_or_path: tiny, a local folder, or a "
                            "hub name such as org/model")
-    if p.is_dir() and not any((p / file).is_file() for file in ("config.json", "tokenizer.json", "tokenizer_config.json")):
+    if p.is_dir() and not any((p / f).is_file() for f in ("config.json", "tokenizer.json", "tokenizer_config.json")):
         return ConfigError(f"model folder {name!r} holds no config.json or tokenizer files: it is no save_pretrained() "
                            "folder; use model_name_or_path: tiny, a saved model's folder, or a hub name")
     where = "local path" if p.exists() else "model"
@@ -144,7 +144,6 @@ def build_factory_model(cfg: TrainConfig, vocab_size: int, num_labels: int | Non
     """The model_factory's model, checked before the first collective (every rank finds the same mistake)
     with one forward of two tokens in eval mode: logits of `num_labels`, or `vocab_size` per token. What an
     option needs and it lacks is refused here; the forward hook gives the `.logits` every loop reads."""
-    torch.manual_seed(cfg.seed)
     where = f"model_factory {cfg.model_factory!r}"
     try:
         model = model_factory(cfg.model_factory)(vocab_size=vocab_size, num_labels=num_labels, cfg=cfg)
@@ -181,10 +180,10 @@ def build_factory_model(cfg: TrainConfig, vocab_size: int, num_labels: int | Non
 def build_model(cfg: TrainConfig, config) -> torch.nn.Module:
     """The model in fp32 with the attention `config` names (with_attention), initialised from `cfg.seed`
     (tiny) or the pretrained weights; or the model_factory's."""
+    torch.manual_seed(cfg.seed)
     if cfg.model_factory:
         return build_factory_model(cfg, **factory_arguments(cfg, config))
     auto = AutoModelForCausalLM if cfg.task != "sequence_classification" else AutoModelForSequenceClassification
-    torch.manual_seed(cfg.seed)
     if cfg.model_name_or_path == TINY:
         # Drawn once, by the model's own init, not first by each layer's constructor: the weights ZeRO-3 draws
         # for a model it builds partitioned (it skips the constructors'), so that both starts train the same
@@ -261,9 +260,8 @@ def accelerate_fsdp_plugin(cfg: TrainConfig, launch: Launch) -> FullyShardedData
 def autocast_for(cfg: TrainConfig, device: torch.device):
     """The forward pass's autocast for `mixed_precision` (a no-op context for "no"). The weights,
     gradients and optimizer state stay fp32; the loss is computed in fp32 (summed_loss)."""
-    if cfg.mixed_precision == "no":
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[cfg.mixed_precision])
+    dtype = AMP_DTYPES.get(cfg.mixed_precision)
+    return torch.autocast(device_type=device.type, dtype=dtype) if dtype else nullcontext()
 
 
 def count_targets(labels: torch.Tensor, task: str) -> int:

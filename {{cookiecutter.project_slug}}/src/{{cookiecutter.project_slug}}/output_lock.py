@@ -132,16 +132,12 @@ class OutputLock:
         tmp = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}")
         try:
             tmp.write_text(json.dumps({**self.mine, "heartbeat": time.time()}))
-            if exclusive:
-                os.link(tmp, self.path)
-            else:
-                os.replace(tmp, self.path)
+            (os.link if exclusive else os.replace)(tmp, self.path)
         finally:
             tmp.unlink(missing_ok=True)
 
     def _taken_over(self) -> dict | None:
-        holder = self.holder()
-        return None if holder is None or is_mine(holder) else holder
+        return None if is_mine(holder := self.holder()) else holder  # is_mine(None) is False: None stays None
 
     def _beat(self) -> None:
         while not self.stop.wait(HEARTBEAT_S):

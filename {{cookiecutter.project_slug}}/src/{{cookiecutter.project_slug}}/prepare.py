@@ -280,8 +280,7 @@ def prepare(cfg: TrainConfig, tokenizer) -> Prepared:
     meta = json.loads((folder / META_FILE).read_text())
     with quiet_datasets():
         data = load_from_disk(str(folder))
-    return Prepared(DatasetDict(train=data["train"], validation=data["validation"]), meta["num_labels"], folder,
-                    meta["data_fingerprint"])
+    return Prepared(data, meta["num_labels"], folder, meta["data_fingerprint"])
 
 
 def prepare_data(cfg: TrainConfig) -> None:

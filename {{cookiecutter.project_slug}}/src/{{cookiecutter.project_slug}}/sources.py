@@ -65,10 +65,6 @@ class Source:
     saved: Path | None = None
 
 
-def _shard_number(match: re.Match) -> int:
-    return int(match["n"] if match["n"] is not None else match["i"])
-
-
 def split_files(folder: Path, split: str) -> list[Path]:
     """The files split `split` reads: `<split>.<ext>` alone, or numbered shards together in order (`<split>.00.jsonl`,
     ... or `<split>-00000-of-00004.parquet`, ..., without gaps); any other file named like the split is ambiguous."""
@@ -78,16 +74,17 @@ def split_files(folder: Path, split: str) -> list[Path]:
         return found
     shards = {p: SHARD.match(p.name) for p in found}
     styles = {(m["n"] is None, m["total"], m["suffix"]) for m in shards.values() if m and m["split"] == split}
-    if found and len(styles) == 1 and all(m and m["split"] == split for m in shards.values()):
-        ordered = sorted(found, key=lambda p: _shard_number(shards[p]))
-        numbers = [_shard_number(shards[p]) for p in ordered]
+    if len(styles) == 1 and all(m and m["split"] == split for m in shards.values()):
+        number = {p: int(m["n"] or m["i"]) for p, m in shards.items()}
+        ordered = sorted(found, key=number.get)
+        numbers = [number[p] for p in ordered]
         total = shards[ordered[0]]["total"]  # "-00000-of-00004" numbers from 0; ".00", ".01" from the first
         expected = list(range(int(total)) if total is not None else range(numbers[0], numbers[0] + len(numbers)))
         if numbers == expected:
             return ordered
-        twice = sorted({n for n in numbers if numbers.count(n) > 1})
-        missing = sorted(set(expected) - set(numbers))
-        why = f"shard {twice[0]} twice" if twice else f"shard {missing[0]} is missing"
+        twice, missing = [n for n in numbers if numbers.count(n) > 1], set(expected) - set(numbers)
+        why = (f"shard {min(twice)} twice" if twice else f"shard {min(missing)} is missing" if missing
+               else f"shard {max(numbers)} is beyond the {int(total)} its name counts")
         raise ConfigError(f"dataset {folder} has the {split} shards {', '.join(p.name for p in ordered)}, not numbered "
                           f"without gaps ({why}); add the missing shard, or renumber them")
     if found:

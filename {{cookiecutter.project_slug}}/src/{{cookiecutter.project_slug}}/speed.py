@@ -80,13 +80,10 @@ def flop_counts(model: torch.nn.Module) -> tuple[float, float] | None:
     needs = ("num_hidden_layers", "num_attention_heads", "hidden_size")
     if not hasattr(model, "get_input_embeddings") or not all(hasattr(config, key) for key in needs):
         return None
-    embedding = model.get_input_embeddings().weight
-    weights = sum(map(numel, model.parameters())) - numel(embedding)
-    if getattr(config, "tie_word_embeddings", False):
-        weights += numel(embedding)  # the tied output projection is a real matmul
-    layers, heads = config.num_hidden_layers, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 6 * weights, 12 * layers * heads * head_dim
+    tied = getattr(config, "tie_word_embeddings", False)  # the tied output projection is a real matmul
+    weights = sum(map(numel, model.parameters())) - (0 if tied else numel(model.get_input_embeddings().weight))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 6 * weights, 12 * config.num_hidden_layers * config.num_attention_heads * head_dim
 
 
 def training_flops(counts: tuple[float, float], lengths) -> float:

@@ -70,17 +70,14 @@ class Progress:
     def line(self, record: dict) -> str:
         step, tokens = record["step"], self.since[2] + record["tokens"]
         steps, seconds = step - self.since[0], record["elapsed_s"] - self.since[1]
-        grad_norm = record.get("grad_norm")
-        parts = [f"step {step}/{self.total}", f"loss {record['loss']:.4f}" if record["loss"] is not None else
-                 "loss nan", f"lr {record['lr']:.2e}", f"grad_norm {grad_norm:.2f}" if grad_norm is not None else
-                 "grad_norm nan"]
+        loss, grad_norm = record["loss"], record.get("grad_norm")  # None (not finite, or no norm) shows as nan
+        parts = [f"step {step}/{self.total}", f"loss {math.nan if loss is None else loss:.4f}",
+                 f"lr {record['lr']:.2e}", f"grad_norm {math.nan if grad_norm is None else grad_norm:.2f}"]
         if seconds > 0:
             parts += [f"{tqdm.format_sizeof(tokens / seconds)} tok/s",  # 41234.5 -> 41.2k
                       f"eta {_duration((self.total - step) * seconds / steps)}"]
-        for key, name, spec in (("mfu", "mfu", ".1%"), ("grad_noise_scale", "gns", ".3g"),
-                                ("grad_sync_calls", "syncs", "")):
-            if key in record:
-                parts.append(f"{name} {record[key]:{spec}}")
+        parts += [f"{name} {record[key]:{spec}}" for key, name, spec in (("mfu", "mfu", ".1%"),
+                  ("grad_noise_scale", "gns", ".3g"), ("grad_sync_calls", "syncs", "")) if key in record]
         if record.get("step_skipped"):
             parts.append("skipped")
         shape = record["global_batch_size"], record["micro_batch_size"]

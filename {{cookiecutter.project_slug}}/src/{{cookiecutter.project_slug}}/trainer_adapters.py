@@ -33,12 +33,11 @@ class WindowTrainer(Trainer):
         self.remove_callback(PrinterCallback)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        cfg = self.session.cfg
-        if not cfg.model_factory:
+        if not self.session.cfg.model_factory:
             return super()._save(output_dir, state_dict)
         folder = Path(output_dir or self.args.output_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        save_weights(self.model, folder, cfg, self.session.run.model_config, state_dict)
+        save_weights(self.model, folder, self.session.cfg, self.session.run.model_config, state_dict)
         self.processing_class.save_pretrained(folder)
         return None
 

@@ -123,12 +123,9 @@ class WindowSampler(Sampler):
         order = self._examples(epoch, step).tolist()
         share = order[self.rank::self.plan.world_size]
         b = self.plan.micro_batch_size
-        rows = min(self.min_rows, b)
-        batches = []
-        for m in range(self.micro_steps(step, epoch)):
-            part = [(i, True) for i in share[m * b:(m + 1) * b]]
-            batches.append(part + [(order[0], False)] * max(rows - len(part), 0))
-        return batches
+        rows = min(self.min_rows, b)  # filler rows make a micro-batch up to this many
+        parts = [[(i, True) for i in share[m * b:(m + 1) * b]] for m in range(self.micro_steps(step, epoch))]
+        return [part + [(order[0], False)] * max(rows - len(part), 0) for part in parts]
 
     def __iter__(self):
         for step in range(self.start_step, self.steps_per_epoch):
