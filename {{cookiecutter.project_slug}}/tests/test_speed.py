@@ -174,10 +174,9 @@ LIBRARY_READS = {
     "torch/optim/optimizer.py:_get_value",
 }
 # The Trainer's own per-step reads and collectives: its logged loss and grad_norm (.item()), its
-# FLOP count's all-gather, num_items_in_batch gathered across ranks (average_tokens_across_devices)
+# FLOP count's all-gather (num_items_in_batch is no longer gathered: WindowTrainer counts it on the host)
 TRAINER_READS = {"transformers/trainer.py:_maybe_log_save_evaluate", "transformers/trainer.py:store_flos"}
-TRAINER_COLLECTIVES = {"accelerate/utils/operations.py:_gpu_gather_one",
-                       "transformers/trainer_pt_utils.py:distributed_concat",
+TRAINER_COLLECTIVES = {"transformers/trainer_pt_utils.py:distributed_concat",
                        "transformers/trainer_pt_utils.py:distributed_broadcast_scalars"}
 
 

@@ -54,6 +54,14 @@ class WindowTrainer(Trainer):
     def get_train_dataloader(self):
         return self.train_loader
 
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """A training window's divisor: its real targets on all ranks as the labelling rule counts them
+        (Session.targets, as the other loops). The Trainer's own count keeps each row's first label for a model
+        it does not know as a causal LM (GPT-2, a model_factory's), and gathers it from every rank."""
+        if not torch.is_grad_enabled():  # an evaluation batch (compute_metrics replaces the loss it gives)
+            return super()._get_num_items_in_batch(batch_samples, device)
+        return self.session.targets(self.session.sampler.window_at(self.state.global_step))
+
     def _prepare_input(self, data):
         """A micro-batch's token tensors go to the device without waiting for it (the Trainer's copy blocks)."""
         if isinstance(data, torch.Tensor) and not data.is_floating_point():
