@@ -66,7 +66,7 @@ FSDP_BAKED = (ROOT / "src" / SLUG / "fsdp.py").is_file() and "pytorch" in ENTRIE
 
 def max_norm_diff(a, b) -> float:
     """Largest difference between the gradient norms two runs logged for the same steps: a divisor off by a few
-    per cent (the Trainer's own target count once was, for GPT-2) moves it, where AdamW hides it in the weights."""
+    per cent (the Trainer's own target count is, for GPT-2) moves it, where AdamW hides it in the weights."""
     return max(abs(x["grad_norm"] - y["grad_norm"]) for x, y in zip(a.steps, b.steps, strict=True))
 
 

@@ -174,7 +174,7 @@ LIBRARY_READS = {
     "torch/optim/optimizer.py:_get_value",
 }
 # The Trainer's own per-step reads and collectives: its logged loss and grad_norm (.item()), its
-# FLOP count's all-gather (num_items_in_batch is no longer gathered: WindowTrainer counts it on the host)
+# FLOP count's all-gather (not num_items_in_batch: WindowTrainer counts it on the host)
 TRAINER_READS = {"transformers/trainer.py:_maybe_log_save_evaluate", "transformers/trainer.py:store_flos"}
 TRAINER_COLLECTIVES = {"transformers/trainer_pt_utils.py:distributed_concat",
                        "transformers/trainer_pt_utils.py:distributed_broadcast_scalars"}
