@@ -75,10 +75,6 @@ class Run:
         must share output_dir."""
         init_distributed(self.env, self.cfg.rendezvous_timeout_s, self.cfg.collective_timeout_s,
                          alone_too=self.launch.backend == "deepspeed")
-        if self.launch.backend == "deepspeed":  # DeepSpeed's view of the group, where ZeRO-3 builds the model's
-            import deepspeed  # partitions (the Trainer on CPU starts none before it builds the model)
-
-            deepspeed.init_distributed(dist_backend=self.env.backend, auto_mpi_discovery=False)
         check_shared(self.cfg.output_dir, self.env)
 
     def state(self, step: int, micro_batch_size: int) -> dict:
