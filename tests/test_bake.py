@@ -168,8 +168,9 @@ EXTRAS_ANSWERS = {"none": (), "all": EXTRAS, "fsdp": ("fsdp",), "Doctor, auto_ba
 # YAML reader that config and sweep files share, and the one line for a missing model folder: 4,524;
 # a third pass (three reviewers' proposals: no message, check or docstring cut), a folder without a
 # saved model named as such, and the Trainer's divisor from the labelling rule (its own count was off for
-# GPT-2 and model_factory models): 4,494.
-CORE_SIZE = (26, 4494)
+# GPT-2 and model_factory models): 4,494; the peak table and the lock's takeover check back in their
+# plainer form: 4,502.
+CORE_SIZE = (26, 4502)
 
 
 @pytest.mark.parametrize("extras", EXTRAS_ANSWERS)

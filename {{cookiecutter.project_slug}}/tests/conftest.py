@@ -399,10 +399,10 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def max_loss_diff(a: Run, b: Run) -> float:
-    """Largest difference between the losses two runs logged for the same steps."""
+def max_loss_diff(a: Run, b: Run, key: str = "loss") -> float:
+    """Largest difference between the losses (or another figure, `key`) two runs logged for the same steps."""
     assert [r["step"] for r in a.steps] == [r["step"] for r in b.steps]
-    return max(abs(x["loss"] - y["loss"]) for x, y in zip(a.steps, b.steps, strict=True))
+    return max(abs(x[key] - y[key]) for x, y in zip(a.steps, b.steps, strict=True))
 
 
 # Long enough (200 optimizer steps) that a signal or a kill lands mid-run, small enough to stay quick.

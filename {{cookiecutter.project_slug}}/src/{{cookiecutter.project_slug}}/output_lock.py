@@ -137,7 +137,8 @@ class OutputLock:
             tmp.unlink(missing_ok=True)
 
     def _taken_over(self) -> dict | None:
-        return None if is_mine(holder := self.holder()) else holder  # is_mine(None) is False: None stays None
+        holder = self.holder()
+        return None if holder is None or is_mine(holder) else holder
 
     def _beat(self) -> None:
         while not self.stop.wait(HEARTBEAT_S):

@@ -17,16 +17,23 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-# Dense peak TFLOP/s per GPU model for matmuls in bf16, fp16, tf32 and fp32 (vendors' data sheets, without
-# sparsity; None: the model lacks it); unknown devices (and the CPU) have none: give --peak_tflops.
-PEAK_TFLOPS = {model: {precision: peak for precision, peak in zip(("bf16", "fp16", "tf32", "fp32"), peaks, strict=True)
-                       if peak is not None} for model, peaks in {
-    "H100 SXM": (989, 989, 494, 67), "H100 PCIe": (756, 756, 378, 51), "H100 NVL": (835, 835, 418, 60),
-    "H200 SXM": (989, 989, 494, 67), "H200 NVL": (835, 835, 418, 60), "GH200": (989, 989, 494, 67),
-    "A100": (312, 312, 156, 19.5), "L40S": (362, 362, 183, 91.6), "L40": (181, 181, 90.5, 90.5),
-    "A10": (125, 125, 62.5, 31.2), "L4": (121, 121, 60, 30), "RTX 4090": (165, 165, 82.6, 82.6),
-    "V100 SXM": (None, 125, None, 15.7), "V100 PCIe": (None, 112, None, 14), "T4": (None, 65, None, 8.1),
-}.items()}
+# Dense peak TFLOP/s per GPU model and the precision the matmuls run in (vendors' data sheets,
+# without sparsity); unknown devices (and the CPU) have none: give --peak_tflops.
+PEAK_TFLOPS = {
+    "H100 SXM": {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67},
+    "H100 PCIe": {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51},
+    "H100 NVL": {"bf16": 835, "fp16": 835, "tf32": 418, "fp32": 60},
+    "H200 SXM": {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67},
+    "H200 NVL": {"bf16": 835, "fp16": 835, "tf32": 418, "fp32": 60},
+    "GH200": {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67},
+    "A100": {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5},
+    "L40S": {"bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6},
+    "L40": {"bf16": 181, "fp16": 181, "tf32": 90.5, "fp32": 90.5},
+    "A10": {"bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2},
+    "L4": {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30},
+    "RTX 4090": {"bf16": 165, "fp16": 165, "tf32": 82.6, "fp32": 82.6},
+    "V100 SXM": {"fp16": 125, "fp32": 15.7}, "V100 PCIe": {"fp16": 112, "fp32": 14}, "T4": {"fp16": 65, "fp32": 8.1},
+}
 # torch.cuda.get_device_name() as each model spells itself, matched whole: a name that only
 # contains another's ("H100 NVL" holds "H100", "L40" starts like "L4") must not read its peak.
 DEVICE_MODELS = {
