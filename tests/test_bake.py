@@ -169,8 +169,9 @@ EXTRAS_ANSWERS = {"none": (), "all": EXTRAS, "fsdp": ("fsdp",), "Doctor, auto_ba
 # a third pass (three reviewers' proposals: no message, check or docstring cut), a folder without a
 # saved model named as such, and the Trainer's divisor from the labelling rule (its own count was off for
 # GPT-2 and model_factory models): 4,494; the peak table and the lock's takeover check back in their
-# plainer form: 4,502.
-CORE_SIZE = (26, 4502)
+# plainer form: 4,502; DeepSpeed's group started before the Trainer builds a ZeRO-3 model on CPU
+# (it crashed at start on 2+ processes): 4,506.
+CORE_SIZE = (26, 4506)
 
 
 @pytest.mark.parametrize("extras", EXTRAS_ANSWERS)

@@ -1,6 +1,7 @@
 """The Accelerate entry point: every launch config loads and launches, DeepSpeed ZeRO-2/3 train
-with the same parameters as DDP, and accumulation settings that disagree with train.yaml are
-refused before any process waits on another. (Its FSDP, which the Trainer runs too:
+with the same parameters as DDP, ZeRO-3 builds each process's partition only (here and in the
+Trainer), and accumulation settings that disagree with train.yaml are refused before any process
+waits on another. (Its FSDP, which the Trainer runs too:
 tests/test_accelerate_fsdp.py.)"""
 
 import json
@@ -16,6 +17,7 @@ from {{ cookiecutter.project_slug }}.config import load_config
 {%- endif %}
 
 from conftest import (
+    ENTRIES,
     ROOT,
     SLUG,
     Run,
@@ -156,46 +158,47 @@ MODEL_START = textwrap.dedent("""
 """)
 
 
-def zero3_start(env: dict, tmp_path, name: str, flags: dict, **extra_env) -> Run:
-    """The accelerate entry point on 2 processes under ZeRO-3 through MODEL_START, into tmp_path/name.
+def zero3_start(entry: str, env: dict, tmp_path, name: str, flags: dict, **extra_env) -> Run:
+    """The entry point on 2 processes under ZeRO-3 through MODEL_START, into tmp_path/name.
     Tensors of 1 MiB and more are given back to the system when freed (MALLOC_MMAP_THRESHOLD_; glibc
     would otherwise keep them, which resident memory cannot tell from live ones)."""
     script = tmp_path / "model_start.py"
     script.write_text(MODEL_START)
-    proc = run_entry("accelerate", 2, tmp_path / name, {**env, "MALLOC_MMAP_THRESHOLD_": "1048576", **extra_env},
-                     {"deepspeed": "configs/deepspeed/zero3.json", **flags}, script=(script, "accelerate"))
+    proc = run_entry(entry, 2, tmp_path / name, {**env, "MALLOC_MMAP_THRESHOLD_": "1048576", **extra_env},
+                     {"deepspeed": "configs/deepspeed/zero3.json", **flags}, script=(script, entry))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
-def big_model_memory(env: dict, tmp_path, name: str, **extra_env) -> list[dict]:
+def big_model_memory(entry: str, env: dict, tmp_path, name: str, **extra_env) -> list[dict]:
     """Each process's memory record (KiB) of a start of the 308M-parameter model."""
     records = tmp_path / f"{name}_memory"
     records.mkdir()
-    zero3_start(env, tmp_path, name, ACCUM, RECORD_DIR=str(records), **extra_env)
+    zero3_start(entry, env, tmp_path, name, ACCUM, RECORD_DIR=str(records), **extra_env)
     return [json.loads((records / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not DEEPSPEED, reason="no DeepSpeed configs generated (deepspeed_stage: none)")
-def test_zero3_builds_each_ranks_partition_not_the_whole_model(runs, env, tmp_path):
+@pytest.mark.parametrize("entry", [e for e in ("accelerate", "trainer") if e in ENTRIES])
+def test_zero3_builds_each_ranks_partition_not_the_whole_model(runs, env, tmp_path, entry):
     """ZeRO-3 on 2 processes, a 308M-parameter model (1.15 GiB in fp32): each process builds only
     its partition, so the largest rise of resident memory from the imports to the built model stays
     below the whole model's size, where a model built whole first goes above it. A partitioned start
     trains the same as a whole one (the tiny model, 4 steps)."""
-    partitioned = big_model_memory(env, tmp_path, "partitioned")
-    whole = big_model_memory(env, tmp_path, "whole", BUILD_WHOLE="1")
+    partitioned = big_model_memory(entry, env, tmp_path, "partitioned")
+    whole = big_model_memory(entry, env, tmp_path, "whole", BUILD_WHOLE="1")
     numel = partitioned[0]["numel"]
     assert numel >= 300e6 and all(r["numel"] == numel for r in partitioned + whole)
     model_kib = numel * 4 / 1024
     rise = {name: max(r["peak"] - r["after_imports"] for r in records)
             for name, records in (("partitioned", partitioned), ("whole", whole))}
     report(f"ZeRO-3 start of a {numel / 1e6:.0f}M-parameter model ({model_kib / 1024**2:.2f} GiB fp32) on 2 "
-           f"processes: largest resident-memory rise {rise['partitioned'] / 1024**2:.2f} GiB partitioned, "
-           f"{rise['whole'] / 1024**2:.2f} GiB built whole first")
+           f"processes ({entry}): largest resident-memory rise {rise['partitioned'] / 1024**2:.2f} GiB "
+           f"partitioned, {rise['whole'] / 1024**2:.2f} GiB built whole first")
     assert rise["partitioned"] < model_kib < rise["whole"]
-    partitioned_run = runs("accelerate", 2, deepspeed="configs/deepspeed/zero3.json", **SGD)
-    zero3_start(env, tmp_path, "whole_run", SGD, BUILD_WHOLE="1")
+    partitioned_run = runs(entry, 2, deepspeed="configs/deepspeed/zero3.json", **SGD)
+    zero3_start(entry, env, tmp_path, "whole_run", SGD, BUILD_WHOLE="1")
     whole_run = Run(0, "", "", tmp_path / "whole_run")
     assert [r["loss"] for r in whole_run.steps] == [r["loss"] for r in partitioned_run.steps]
     assert max_abs_diff(partitioned_run.params(), whole_run.params()) <= 1e-6

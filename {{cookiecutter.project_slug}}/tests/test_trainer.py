@@ -1,5 +1,5 @@
 """The Trainer entry point: per-epoch evaluation with compute_metrics, launch through
-`accelerate launch`, and DeepSpeed ZeRO-2 on CPU with the same training as DDP."""
+`accelerate launch`, and DeepSpeed ZeRO-2 and ZeRO-3 on CPU with the same training as DDP."""
 
 import pytest
 
@@ -30,13 +30,14 @@ def test_trainer_under_accelerate_launch(env, tmp_path):
 
 
 @pytest.mark.skipif(not (ROOT / "configs" / "deepspeed").is_dir(), reason="deepspeed_stage: none")
-def test_trainer_deepspeed_zero2_trains_like_ddp(runs):
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_trainer_deepspeed_trains_like_ddp(runs, stage):
     ddp = runs("trainer", 2, **SGD)
-    ds = runs("trainer", 2, deepspeed="configs/deepspeed/zero2.json", **SGD)
+    ds = runs("trainer", 2, deepspeed=f"configs/deepspeed/{stage}.json", **SGD)
     assert [r["step"] for r in ds.steps] == [1, 2, 3, 4]
     assert "grad_sync_calls" not in ds.steps[0]
     for a, b in zip(ddp.steps, ds.steps, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
     diff = max_abs_diff(ddp.params(), ds.params())
-    report(f"DeepSpeed zero2 vs DDP (trainer, 2x4, SGD): max |param diff| {diff:.3g}")
+    report(f"DeepSpeed {stage} vs DDP (trainer, 2x4, SGD): max |param diff| {diff:.3g}")
     assert diff <= 1e-5

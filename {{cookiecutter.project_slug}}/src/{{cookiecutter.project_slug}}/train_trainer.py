@@ -13,6 +13,7 @@ import shutil
 import traceback
 from functools import partial
 
+from accelerate import PartialState
 from safetensors.torch import load_model
 from transformers import TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
@@ -75,6 +76,9 @@ def train(cfg: TrainConfig) -> None:
     run.init_distributed()  # the process group the Trainer then uses
     if cfg.compile:  # the Trainer's dynamo plugin reads Accelerate's variable for dynamic shapes
         os.environ["ACCELERATE_DYNAMO_USE_DYNAMIC"] = str(COMPILE["dynamic"]).lower()
+    if run.deepspeed and run.env.device.type == "cpu":  # TrainingArguments(use_cpu=True) starts no DeepSpeed group,
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # in which ZeRO-3 builds the model: Accelerate starts it, as
+        PartialState(cpu=False)  # TrainingArguments does on a GPU
     # before the model: under ZeRO-3 the arguments' DeepSpeed config has each rank build only its
     # partition of the weights, never the whole model
     args = training_arguments(cfg, run)
