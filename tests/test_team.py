@@ -163,7 +163,8 @@ def third_party_imports(project: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("answers", [{}, {"entry_points": "pytorch"}, {"entry_points": "trainer"},
-                                     {"deepspeed_stage": "none"}], ids=lambda a: ",".join(a.values()) or "default")
+                                     {"deepspeed_stage": "none"}, {"extras": "all", "deepspeed_stage": "none"}],
+                         ids=lambda a: ",".join(a.values()) or "default")
 def test_make_install_installs_every_module_the_project_imports(baked, answers):
     """CI runs `make install` and then the tests: a module they import that no requirement names
     would pass here (this environment has everything) and fail on a fresh machine."""

@@ -10,7 +10,6 @@ import os
 import shutil
 import sys
 import warnings
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,14 +115,9 @@ def adapt(cfg, model):
 def save_base(model, tokenizer, folder: Path, is_main_process: bool) -> None:
     """The base model, whole (under ZeRO-3 every rank gathers its partitions), and its tokenizer, written by
     rank 0: a folder that model_name_or_path may also name."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
+    from peft.utils.integrations import gather_params_ctx
 
-    gathered = nullcontext()
-    if is_deepspeed_zero3_enabled():
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))
-    with gathered:
+    with gather_params_ctx(list(model.parameters()), modifier_rank=None):  # a no-op unless ZeRO-3 partitioned them
         if is_main_process:
             tmp = folder.with_name(f".tmp_{folder.name}")
             shutil.rmtree(tmp, ignore_errors=True)
