@@ -250,6 +250,20 @@ def test_deepspeed_json_that_is_not_an_object_is_one_line(env, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("entry", [e for e in ("accelerate", "trainer") if e in ENTRIES])
+def test_deepspeed_that_is_not_installed_is_one_line(env, tmp_path, entry):
+    script = tmp_path / "without_deepspeed.py"
+    script.write_text("import runpy, sys\n"
+                      "sys.modules['deepspeed'] = None  # an import of it fails, as where it is not installed\n"
+                      f"runpy.run_module('{SLUG}.train_' + sys.argv.pop(1), run_name='__main__')\n")
+    path = tmp_path / "ds.json"
+    path.write_text("{}")
+    run = run_entry(entry, 1, tmp_path / "out", env, {**ACCUM, "deepspeed": path}, script=(script, entry))
+    one_error_line(run, f"error: DeepSpeed config {path}: DeepSpeed is not installed; pip install -e '.[deepspeed]'",
+                   exact=True)
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not DEEPSPEED, reason="no DeepSpeed configs generated (deepspeed_stage: none)")
 def test_deepspeed_runs_without_a_launcher(env, tmp_path):
     """`python -m ...train_accelerate --deepspeed ...` on one process: DeepSpeed would look for MPI

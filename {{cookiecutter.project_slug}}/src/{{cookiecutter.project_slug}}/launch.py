@@ -3,6 +3,7 @@ each cannot run is refused, and the launcher's and DeepSpeed's copies of the bat
 line, exit code 2) or filled where they say "auto". docs/launching.md tells the story.
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -88,6 +89,8 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, path: str) -> dict | Non
     """The DeepSpeed config at `path` (None without one), every "auto" filled from ours; disagreements refused."""
     if not path:
         return None
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(f"DeepSpeed config {path}: DeepSpeed is not installed; pip install -e '.[deepspeed]'")
     try:
         config = json.loads(Path(path).read_text())
     except FileNotFoundError:
