@@ -265,6 +265,18 @@ def test_deepspeed_that_is_not_installed_is_one_line(env, tmp_path, entry):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not DEEPSPEED, reason="no DeepSpeed configs generated (deepspeed_stage: none)")
+def test_a_deepspeed_checkpoint_continues_only_on_as_many_processes(env, tmp_path):
+    flags = {**SGD, "deepspeed": "configs/deepspeed/zero2.json", "save_steps": 2, "stop_after_steps": 2}
+    first = run_entry("accelerate", 1, tmp_path / "out", env, flags)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_entry("accelerate", 2, tmp_path / "out", env, {**flags, "resume_from_checkpoint": "auto"})
+    one_error_line(resumed, f"error: {tmp_path / 'out' / 'checkpoints' / 'step_2'} holds DeepSpeed's optimizer state "
+                            "split for world size 1, this run's is 2; continue it at world size 1", code=1, workers=2)
+    assert "exitcode  : 2" in resumed.stderr  # torchrun's 1, for workers that exited with 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEEPSPEED, reason="no DeepSpeed configs generated (deepspeed_stage: none)")
 def test_deepspeed_runs_without_a_launcher(env, tmp_path):
     """`python -m ...train_accelerate --deepspeed ...` on one process: DeepSpeed would look for MPI
     (mpi4py) to find its world; the entry point gives it a group of one instead."""

@@ -142,8 +142,9 @@ def check_same_data(state: dict, cfg: TrainConfig, fingerprint: str, examples: i
                           "or start a new run in another --output_dir")
 
 
-def check_same_entry(state: dict, entry: str, backend: str, where: Path) -> None:
-    """A checkpoint continues in the entry point and back end that wrote it (their formats differ)."""
+def check_same_entry(state: dict, entry: str, backend: str, world_size: int, where: Path) -> None:
+    """A checkpoint continues in the entry point and back end that wrote it (their formats differ); DeepSpeed's
+    on as many processes as wrote it (it saves each process's part of the optimizer state and cannot split it anew)."""
     if state.get("entry", entry) != entry:
         raise ConfigError(f"{where} was written by train_{state['entry']}, not train_{entry}: each entry point "
                           f"keeps its library's checkpoint format; continue it with train_{state['entry']}, or start "
@@ -151,6 +152,10 @@ def check_same_entry(state: dict, entry: str, backend: str, where: Path) -> None
     if state.get("backend", backend) != backend:
         raise ConfigError(f"{where} was written with {state['backend']}, this run uses {backend}; continue it with "
                           f"the same back end (--deepspeed), or start a new run in another --output_dir")
+    if backend == "deepspeed" and state.get("world_size", world_size) != world_size:
+        raise ConfigError(f"{where} holds DeepSpeed's optimizer state split for world size {state['world_size']}, "
+                          f"this run's is {world_size}; continue it at world size {state['world_size']}, or start a "
+                          "new run in another --output_dir")
 
 
 def note_versions(state: dict, where: Path) -> None:

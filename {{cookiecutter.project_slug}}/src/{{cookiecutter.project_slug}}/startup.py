@@ -107,7 +107,7 @@ def start(cfg: TrainConfig, entry: str) -> Run:
         state = checkpoint.read_state(resume) if finished else checkpoint.verify_checkpoint(resume)
         checkpoint.check_same_training(state, cfg, resume)
         if not finished:
-            checkpoint.check_same_entry(state, entry, launch.backend, resume)
+            checkpoint.check_same_entry(state, entry, launch.backend, env.world_size, resume)
     if not finished:
         out = Path(cfg.output_dir)
         try:
