@@ -52,6 +52,21 @@ def test_bad_inputs_found_at_each_stage_of_the_start_exit_2_with_one_line(env, t
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if e != "pytorch"])
+def test_deepspeed_that_is_not_installed_is_one_line(entry, env, tmp_path):
+    script = tmp_path / "without_deepspeed.py"
+    script.write_text("import runpy, sys\n"
+                      "sys.modules['deepspeed'] = None  # an import of it fails, as where it is not installed\n"
+                      f"runpy.run_module('{SLUG}.train_' + sys.argv.pop(1), run_name='__main__')\n")
+    path = tmp_path / "ds.json"
+    path.write_text("{}")
+    run = run_entry(entry, 1, tmp_path / "out", env, {"max_steps": 2, "deepspeed": path}, script=(script, entry))
+    one_error_line(run, f"error: DeepSpeed config {path}: DeepSpeed is not installed; pip install -e '.[deepspeed]'",
+                   exact=True)
+    assert not (tmp_path / "out").exists()  # before the output folder and the data
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_workers_report_their_error_under_torchrun(entry, env, tmp_path):
     run = run_entry(entry, 2, tmp_path / "out", env, {"max_steps": 2, "global_batch_size": 16, "micro_batch_size": 3})

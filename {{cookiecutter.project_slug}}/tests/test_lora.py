@@ -207,17 +207,24 @@ def test_zero3_trains_the_same_adapters_saves_them_whole_and_resumes_exactly(run
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / ZERO3).is_file() or not {"accelerate", "trainer"} <= set(ENTRIES),
-                    reason="no DeepSpeed configs")
-def test_the_trainer_under_zero3_trains_the_same_adapters_into_small_checkpoints(runs):
+                    reason="no DeepSpeed configs, or not both entry points")
+def test_the_trainer_under_zero3_trains_the_same_adapters_into_small_checkpoints(runs, tmp_path):
     """The Trainer builds the base partitioned too (DeepSpeed's group exists before it builds the model), trains
-    the adapters train_accelerate's ZeRO-3 trains, and its checkpoints leave the frozen base out."""
+    the adapters train_accelerate's ZeRO-3 trains, its checkpoints leave the frozen base out, and a resume is
+    bitwise."""
     zero3, trainer = (runs(entry, 2, **LORA, deepspeed=ZERO3) for entry in ("accelerate", "trainer"))
     diff, loss_diff = max_adapter_diff(adapters(trainer), adapters(zero3)), max_loss_diff(trainer, zero3)
     report(f"lora deepspeed zero3, trainer vs accelerate (2x4): max |adapter diff| {diff:.3g}, "
            f"max |loss diff| {loss_diff:.3g}")
     assert diff <= TOL.param and loss_diff <= TOL.loss
-    states = sum(p.stat().st_size for p in (trainer.output_dir / "checkpoints" / "step_4").rglob("*_model_states.pt"))
+    checkpoint = trainer.output_dir / "checkpoints" / "step_4"
+    states = sum(p.stat().st_size for p in checkpoint.rglob("*_model_states.pt"))
     assert 0 < states < (trainer.output_dir / "base_model" / "model.safetensors").stat().st_size / 2
+    out = tmp_path / "resumed"
+    shutil.copytree(checkpoint, out / "checkpoints" / "step_4")
+    resumed = runs.run("trainer", 2, out, {**LORA, "deepspeed": ZERO3, "resume_from_checkpoint": "auto"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_training(AdapterRun(resumed), AdapterRun(Steps(trainer, 4)))
 
 
 def test_final_model_loads_with_peft_to_the_trained_logits_and_merges(runs, tmp_path):

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import tempfile
@@ -27,6 +28,7 @@ from .errors import ConfigError, JobFailed, disk_full, first_line
 STATE_FILE = "state.json"
 FINAL_DIR = "final_model"
 LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed")
+ZERO_PARTS = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")  # one per process
 # With safe_checkpoints: why a checkpoint's file would not load safely (pickles, safetensors headers); without: ""
 check_file = extras.plug("safe_checkpoints", "checkpoint_checks:check_file", default=lambda path: "")
 
@@ -143,8 +145,8 @@ def check_same_data(state: dict, cfg: TrainConfig, fingerprint: str, examples: i
 
 
 def check_same_entry(state: dict, entry: str, backend: str, world_size: int, where: Path) -> None:
-    """A checkpoint continues in the entry point and back end that wrote it (their formats differ); DeepSpeed's
-    on as many processes as wrote it (it saves each process's part of the optimizer state and cannot split it anew)."""
+    """A checkpoint continues in the entry point and back end that wrote it (their formats differ); one with DeepSpeed
+    ZeRO's optimizer state at the world size that wrote it (a file per process, which DeepSpeed cannot split anew)."""
     if state.get("entry", entry) != entry:
         raise ConfigError(f"{where} was written by train_{state['entry']}, not train_{entry}: each entry point "
                           f"keeps its library's checkpoint format; continue it with train_{state['entry']}, or start "
@@ -152,10 +154,11 @@ def check_same_entry(state: dict, entry: str, backend: str, world_size: int, whe
     if state.get("backend", backend) != backend:
         raise ConfigError(f"{where} was written with {state['backend']}, this run uses {backend}; continue it with "
                           f"the same back end (--deepspeed), or start a new run in another --output_dir")
-    if backend == "deepspeed" and state.get("world_size", world_size) != world_size:
-        raise ConfigError(f"{where} holds DeepSpeed's optimizer state split for world size {state['world_size']}, "
-                          f"this run's is {world_size}; continue it at world size {state['world_size']}, or start a "
-                          "new run in another --output_dir")
+    split = {found[1] for name in state.get("files", {}) if (found := ZERO_PARTS.search(name))}
+    if split and len(split) != world_size:
+        raise ConfigError(f"{where} holds DeepSpeed ZeRO's optimizer state split for world size {len(split)}, this "
+                          f"run's is {world_size}; continue it at world size {len(split)}, or start a new run in "
+                          "another --output_dir")
 
 
 def note_versions(state: dict, where: Path) -> None:

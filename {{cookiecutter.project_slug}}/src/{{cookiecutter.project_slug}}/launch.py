@@ -3,12 +3,13 @@ each cannot run is refused, and the launcher's and DeepSpeed's copies of the bat
 line, exit code 2) or filled where they say "auto". docs/launching.md tells the story.
 """
 
-import importlib.util
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from accelerate.utils import is_deepspeed_available
 
 from . import extras
 from .config import TrainConfig
@@ -57,6 +58,9 @@ def check_back_end(cfg: TrainConfig, env: DistEnv, launch: Launch) -> None:
     if not on_accelerate and launch.deepspeed_path:
         raise ConfigError(f"train_{entry} does not run DeepSpeed; use train_accelerate or train_trainer with "
                           "--deepspeed, or drop --deepspeed")
+    if launch.deepspeed_path and not is_deepspeed_available():
+        raise ConfigError(f"DeepSpeed config {launch.deepspeed_path}: DeepSpeed is not installed; pip install -e "
+                          "'.[deepspeed]'")
     if not on_accelerate and fsdp:
         raise ConfigError(f"train_{entry} shards with its own --fsdp full_shard (FSDP2), not through an accelerate "
                           "config; launch it with torchrun, or train_accelerate with configs/accelerate/fsdp.yaml")
@@ -89,8 +93,6 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, path: str) -> dict | Non
     """The DeepSpeed config at `path` (None without one), every "auto" filled from ours; disagreements refused."""
     if not path:
         return None
-    if importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError(f"DeepSpeed config {path}: DeepSpeed is not installed; pip install -e '.[deepspeed]'")
     try:
         config = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -99,6 +101,11 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, path: str) -> dict | Non
         raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"DeepSpeed config {path} must hold a JSON object of settings, got {type(config).__name__}")
+    zero = config.get("zero_optimization")
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    if type(stage) is not int or stage not in (1, 2, 3):
+        raise ConfigError(f"DeepSpeed config {path}: zero_optimization.stage is {stage!r}, not 1, 2 or 3; DeepSpeed "
+                          "trains here with ZeRO (configs/deepspeed/), and without it as DDP: drop --deepspeed")
     ours = {"train_micro_batch_size_per_gpu": plan.micro_batch_size, "gradient_accumulation_steps":
             plan.grad_accum_steps, "train_batch_size": plan.global_batch_size, "gradient_clipping": cfg.max_grad_norm}
     for key, value in ours.items():

@@ -77,8 +77,8 @@ def train(cfg: TrainConfig) -> None:
     if cfg.compile:  # the Trainer's dynamo plugin reads Accelerate's variable for dynamic shapes
         os.environ["ACCELERATE_DYNAMO_USE_DYNAMIC"] = str(COMPILE["dynamic"]).lower()
     if run.deepspeed and run.env.device.type == "cpu":  # TrainingArguments(use_cpu=True) starts no DeepSpeed group,
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # in which ZeRO-3 builds the model: Accelerate starts it, as
-        PartialState(cpu=False)  # TrainingArguments does on a GPU
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # in which ZeRO-3 builds the model: Accelerate starts it (on
+        PartialState(cpu=False)  # the group init_distributed made, LOCAL_RANK set), as TrainingArguments does on a GPU
     # before the model: under ZeRO-3 the arguments' DeepSpeed config has each rank build only its
     # partition of the weights, never the whole model
     args = training_arguments(cfg, run)
