@@ -13,6 +13,8 @@ import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
 from {{ cookiecutter.project_slug }}.config import ConfigError, load_config
+from {{ cookiecutter.project_slug }}.launch import deepspeed_config
+from {{ cookiecutter.project_slug }}.windows import plan_batches
 
 from conftest import (
     ENTRIES,
@@ -53,9 +55,6 @@ def test_deepspeed_accumulates_gradients_in_fp32(path, monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from {{ cookiecutter.project_slug }}.launch import deepspeed_config
-    from {{ cookiecutter.project_slug }}.windows import plan_batches
-
     cfg = load_config(["--config", str(ROOT / "configs" / "train.yaml"), "--mixed_precision", "bf16"])
     filled = deepspeed_config(cfg, plan_batches(16, 2, 1), str(path))
     parsed = DeepSpeedConfig(filled)
@@ -73,9 +72,6 @@ def test_deepspeed_accumulates_gradients_in_fp32(path, monkeypatch):
 def test_a_deepspeed_config_without_a_zero_stage_is_refused(settings, tmp_path):
     """Without ZeRO, DeepSpeed reports no gradient norm (train_accelerate's step would fail) and Accelerate
     refuses a config without zero_optimization: both are one line up front."""
-    from {{ cookiecutter.project_slug }}.launch import deepspeed_config
-    from {{ cookiecutter.project_slug }}.windows import plan_batches
-
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(settings))
     cfg = load_config(["--config", str(ROOT / "configs" / "train.yaml")])

@@ -122,16 +122,13 @@ def test_checkpoints_hold_the_adapters_and_resume_exactly(runs, entry, tmp_path)
     checkpoint = straight.output_dir / "checkpoints" / "step_4"
     tensors = {k for p in checkpoint.glob("*.safetensors") for k in load_file(p)}
     assert tensors and all(".lora_A." in k or ".lora_B." in k for k in tensors), (entry, sorted(tensors)[:5])
-    out = tmp_path / "resumed"
-    shutil.copytree(checkpoint, out / "checkpoints" / "step_4")
-    shutil.copytree(out, tmp_path / "on_one_process")
-    resumed = runs.run(entry, 2, out, {**LORA, "resume_from_checkpoint": "auto"})
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = continued(runs, straight, entry, tmp_path / "resumed")
     assert [(r["step"], r["world_size"]) for r in last_records(resumed)] == [(step, 2) for step in range(5, 9)]
     assert_same_training(AdapterRun(resumed), AdapterRun(Steps(straight, 4)))
     if entry != ENTRIES[0]:
         return
     # on another world size (the accumulation 4 -> 8), and not with another lora_r
+    shutil.copytree(checkpoint, tmp_path / "on_one_process" / "checkpoints" / "step_4")
     single = runs.run(entry, 1, tmp_path / "on_one_process", {**LORA, "resume_from_checkpoint": "auto"})
     assert single.returncode == 0, single.stderr[-3000:]
     assert [r["grad_accum_steps"] for r in last_records(single)] == [8] * 4
@@ -159,6 +156,14 @@ class Steps:
         self.output_dir, self.steps = run.output_dir, [r for r in run.steps if r["step"] > after]
 
 
+def continued(runs, run, entry: str, out: Path, **flags):
+    """`entry` on 2 processes continuing `run` from its checkpoint of step 4, in `out`."""
+    shutil.copytree(run.output_dir / "checkpoints" / "step_4", out / "checkpoints" / "step_4")
+    resumed = runs.run(entry, 2, out, {**LORA, **flags, "resume_from_checkpoint": "auto"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return resumed
+
+
 @pytest.mark.slow
 @pytest.mark.skipif("fsdp" not in extras.BAKED or "pytorch" not in ENTRIES, reason="train_pytorch's FSDP2 not baked")
 def test_fsdp2_continues_a_ddp_checkpoint_and_trains_the_same_adapters(runs, tmp_path):
@@ -166,9 +171,7 @@ def test_fsdp2_continues_a_ddp_checkpoint_and_trains_the_same_adapters(runs, tmp
     checkpoint of step 4; the final adapters gathered whole; its own sharded checkpoint holds adapters only."""
     ddp = runs("pytorch", 2, **LORA)
     out = tmp_path / "fsdp"
-    shutil.copytree(ddp.output_dir / "checkpoints" / "step_4", out / "checkpoints" / "step_4")
-    fsdp = runs.run("pytorch", 2, out, {**LORA, "fsdp": "full_shard", "resume_from_checkpoint": "auto"})
-    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    fsdp = continued(runs, ddp, "pytorch", out, fsdp="full_shard")
     diff, loss_diff = max_adapter_diff(adapters(fsdp), adapters(ddp)), max_loss_diff(fsdp, Steps(ddp, 4))
     report(f"lora fsdp2 full_shard (steps 5-8, from DDP's step 4) vs DDP: max |adapter diff| {diff:.3g}, "
            f"max |loss diff| {loss_diff:.3g}")
@@ -198,10 +201,7 @@ def test_zero3_trains_the_same_adapters_saves_them_whole_and_resumes_exactly(run
     report(f"lora deepspeed zero3 checkpoint: model states {states:,} bytes, the frozen base "
            f"{(zero3.output_dir / 'base_model' / 'model.safetensors').stat().st_size:,} bytes")
     assert states < (zero3.output_dir / "base_model" / "model.safetensors").stat().st_size / 2
-    out = tmp_path / "resumed"
-    shutil.copytree(checkpoint, out / "checkpoints" / "step_4")
-    resumed = runs.run("accelerate", 2, out, {**LORA, "deepspeed": ZERO3, "resume_from_checkpoint": "auto"})
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = continued(runs, zero3, "accelerate", tmp_path / "resumed", deepspeed=ZERO3)
     assert_same_training(AdapterRun(resumed), AdapterRun(Steps(zero3, 4)))
 
 
@@ -220,10 +220,7 @@ def test_the_trainer_under_zero3_trains_the_same_adapters_into_small_checkpoints
     checkpoint = trainer.output_dir / "checkpoints" / "step_4"
     states = sum(p.stat().st_size for p in checkpoint.rglob("*_model_states.pt"))
     assert 0 < states < (trainer.output_dir / "base_model" / "model.safetensors").stat().st_size / 2
-    out = tmp_path / "resumed"
-    shutil.copytree(checkpoint, out / "checkpoints" / "step_4")
-    resumed = runs.run("trainer", 2, out, {**LORA, "deepspeed": ZERO3, "resume_from_checkpoint": "auto"})
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = continued(runs, trainer, "trainer", tmp_path / "resumed", deepspeed=ZERO3)
     assert_same_training(AdapterRun(resumed), AdapterRun(Steps(trainer, 4)))
 
 
